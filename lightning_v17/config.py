@@ -1,0 +1,387 @@
+"""Frozen policy dataclasses: the one place where user-facing strings become typed values.
+
+Everything here is torch-free so that the planner and the CLI can import it without torch. Strings given by a user
+(YAML, CLI flags, constructor arguments) are parsed once, here, into an ``Enum`` or a policy; code deeper down only
+ever sees the typed value (DESIGN.md, "Config is typed").
+
+Vocabulary (torchtitan's rule): an *axis* is a device-mesh axis (pp, dp_replicate, dp_shard, cp, tp); a *dim* is a
+tensor dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Any
+
+
+class V17ConfigError(ValueError):
+    """A user-facing configuration error. The message names the option and the fix."""
+
+
+def _parse_enum(enum_cls: type[StrEnum], value: Any, *, option: str) -> StrEnum:
+    """Parse ``value`` into ``enum_cls`` or raise an error that names ``option`` and lists the valid values."""
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().replace("-", "_")
+        for member in enum_cls:
+            if key in (member.value.replace("-", "_"), member.name.lower()):
+                return member
+    valid = ", ".join(repr(m.value) for m in enum_cls)
+    raise V17ConfigError(f"{option}={value!r} is not supported; choose one of {valid}")
+
+
+class Axis(StrEnum):
+    """Device-mesh axes, outermost first (seed §9.8: pp outermost, tp innermost on the fastest fabric)."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+
+
+#: Mesh axis order, outermost first. tp is innermost so that its ranks are adjacent (same node, NVLink).
+AXIS_ORDER: tuple[Axis, ...] = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
+
+
+class Recompute(StrEnum):
+    """Activation checkpointing mode (seed §7; Korthikanti 2022 §4 for ``selective``)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: Any, option: str = "activation_checkpointing") -> Recompute:
+        if value is None or value is False:
+            return cls.NONE
+        if value is True:
+            return cls.FULL
+        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+
+
+class Schedule(StrEnum):
+    """Pipeline schedules (seed §10)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZERO_BUBBLE = "zero_bubble"  # interleaved zero bubble (ZB-H1 family, Qi 2023)
+    ZB_H2 = "zb_h2"
+    ZBV = "zbv"
+
+    @classmethod
+    def parse(cls, value: Any, option: str = "pp_schedule") -> Schedule:
+        aliases = {"interleaved": cls.INTERLEAVED_1F1B, "zb_h1": cls.ZERO_BUBBLE, "zb-h1": cls.ZERO_BUBBLE}
+        if isinstance(value, str) and value.strip().lower() in aliases:
+            return aliases[value.strip().lower()]
+        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+
+
+class Tier(StrEnum):
+    """Where a bucket of model state lives (seed §4, ZeRO-Infinity tiers)."""
+
+    NONE = "none"  # stays on the accelerator
+    CPU = "cpu"
+    NVME = "nvme"
+
+    @classmethod
+    def parse(cls, value: Any, option: str = "offload") -> Tier:
+        if value is None or value is False:
+            return cls.NONE
+        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+
+
+class Precision(StrEnum):
+    """Training precision, in Lightning's spelling where Lightning has one."""
+
+    FP32 = "32-true"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "16-mixed"
+    BF16_TRUE = "bf16-true"
+    FP8 = "fp8"  # fp8 matmuls, bf16 elsewhere, fp32 master weights
+
+    @classmethod
+    def parse(cls, value: Any, option: str = "precision") -> Precision:
+        aliases = {
+            "32": cls.FP32, "fp32": cls.FP32, "32-true": cls.FP32,
+            "bf16": cls.BF16_MIXED, "bf16-mixed": cls.BF16_MIXED,
+            "16": cls.FP16_MIXED, "fp16": cls.FP16_MIXED, "16-mixed": cls.FP16_MIXED, "fp16-mixed": cls.FP16_MIXED,
+            "bf16-true": cls.BF16_TRUE, "fp8": cls.FP8, "fp8-mixed": cls.FP8,
+        }  # fmt: skip
+        if isinstance(value, cls):
+            return value
+        key = str(value).strip().lower()
+        if key in aliases:
+            return aliases[key]
+        raise V17ConfigError(f"precision={value!r} is not supported; choose one of {sorted(set(aliases))}")
+
+
+class OptimizerKind(StrEnum):
+    """Optimizers the factory and the planner know (seed §12). K is the optimizer-state bytes per parameter."""
+
+    ADAMW = "adamw"
+    ADAM = "adam"
+    ADAM8BIT = "adam8bit"
+    ADAFACTOR = "adafactor"
+    LION = "lion"
+    SGD = "sgd"
+
+    @classmethod
+    def parse(cls, value: Any, option: str = "optimizer") -> OptimizerKind:
+        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise V17ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Sizes of the five mesh axes. The product is the world size.
+
+    Build it with concrete sizes, or let :meth:`resolve` fill in ``dp_shard`` from the world size. The object is
+    immutable: "auto" is resolved by the classmethod, never by mutation.
+
+    Args:
+        pp: pipeline-parallel stages (outermost axis).
+        dp_replicate: replicated data-parallel groups (HSDP's outer axis; plain DDP when dp_shard is 1).
+        dp_shard: sharded data-parallel group size (ZeRO/FSDP partitions over this axis).
+        cp: context-parallel size (reserved; must be 1 today).
+        tp: tensor-parallel size (innermost axis).
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_positive_int(f.name, getattr(self, f.name))
+        if self.cp != 1:
+            raise V17ConfigError("cp={} is not implemented yet; set cp=1 (context parallelism is planned)".format(self.cp))
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Total data-parallel degree (replicate × shard)."""
+        return self.dp_replicate * self.dp_shard
+
+    def size(self, axis: Axis | str) -> int:
+        return getattr(self, Axis(axis).value)
+
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in :data:`AXIS_ORDER`, all five axes included (size-1 axes too)."""
+        return tuple(self.size(a) for a in AXIS_ORDER)
+
+    def active_axes(self) -> tuple[Axis, ...]:
+        """Axes with size > 1, outermost first."""
+        return tuple(a for a in AXIS_ORDER if self.size(a) > 1)
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        *,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int | str = "auto",
+        cp: int = 1,
+        tp: int = 1,
+    ) -> MeshSpec:
+        """Resolve ``dp_shard="auto"`` (or -1) from the world size and check that the product matches.
+
+        Raises:
+            V17ConfigError: if the fixed axes do not divide the world size, or the product differs from it.
+        """
+        _check_positive_int("world_size", world_size)
+        fixed = {"pp": pp, "dp_replicate": dp_replicate, "cp": cp, "tp": tp}
+        for name, value in fixed.items():
+            _check_positive_int(name, value)
+        others = pp * dp_replicate * cp * tp
+        if dp_shard in ("auto", -1, None):
+            if world_size % others != 0:
+                raise V17ConfigError(
+                    f"cannot resolve dp_shard='auto': world size {world_size} is not divisible by "
+                    f"pp*dp_replicate*cp*tp = {pp}*{dp_replicate}*{cp}*{tp} = {others}; "
+                    f"change devices/num_nodes or the axis sizes so that they divide it"
+                )
+            dp_shard = world_size // others
+        spec = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=int(dp_shard), cp=cp, tp=tp)
+        if spec.world_size != world_size:
+            raise V17ConfigError(
+                f"mesh pp={pp} x dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cp} x tp={tp} = "
+                f"{spec.world_size} does not equal the world size {world_size} (devices x num_nodes); "
+                f"set dp_shard='auto' or change the sizes so their product is {world_size}"
+            )
+        return spec
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tp_divides(tp: int, **dims: int) -> None:
+    """Raise a clear error unless ``tp`` divides every named model dimension (heads, kv_heads, ffn, ...).
+
+    Example: ``check_tp_divides(3, num_attention_heads=8)`` raises
+    "tp=3 must divide num_attention_heads=8; try tp in {1, 2, 4, 8}".
+    """
+    bad = {k: v for k, v in dims.items() if v % tp != 0}
+    if not bad:
+        return
+    common = sorted(set.intersection(*(set(divisors(v)) for v in dims.values())))
+    names = ", ".join(f"{k}={v}" for k, v in bad.items())
+    raise V17ConfigError(f"tp={tp} must divide {names}; try tp in {{{', '.join(map(str, common))}}}")
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """What ZeRO partitions (Rajbhandari 2020 §5; seed §3).
+
+    Args:
+        stage: 0 = DDP (nothing sharded), 1 = optimizer state, 2 = + gradients, 3 = + parameters (FSDP2).
+        reshard_after_forward: stage 3 only. ``True`` frees gathered parameters after each unit's forward (ZeRO-3);
+            ``False`` keeps them until backward (more memory, one all-gather less). ``None`` means True.
+        wrap_classes: class names that become ZeRO-3 units. Empty means auto-detect: the children of every
+            ``nn.ModuleList`` / repeated-block ``nn.ModuleDict``.
+        bucket_mb: gradient bucket size for stage 0-2 reductions, in MiB (DeepSpeed's reduce_bucket_size).
+    """
+
+    stage: int = 3
+    reshard_after_forward: bool | None = None
+    wrap_classes: tuple[str, ...] = ()
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise V17ConfigError(
+                f"zero_stage={self.stage!r} is not a ZeRO stage; choose 0 (DDP), 1 (optimizer state), "
+                f"2 (+ gradients) or 3 (+ parameters)"
+            )
+        if self.bucket_mb <= 0:
+            raise V17ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+        object.__setattr__(self, "wrap_classes", tuple(self.wrap_classes))
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Offload tiers (seed §4; ZeRO-Offload, ZeRO-Infinity).
+
+    Args:
+        optimizer: where optimizer state and the fp32 master live: "none", "cpu" or "nvme".
+        params: where sharded parameters live between uses: "none", "cpu" or "nvme".
+        nvme_path: directory for the NVMe tier; required when either tier is "nvme".
+    """
+
+    optimizer: Tier = Tier.NONE
+    params: Tier = Tier.NONE
+    nvme_path: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "offload_optimizer"))
+        object.__setattr__(self, "params", Tier.parse(self.params, "offload_params"))
+        if Tier.NVME in (self.optimizer, self.params) and not self.nvme_path:
+            raise V17ConfigError("an 'nvme' offload tier needs nvme_path=<directory on a local NVMe drive>")
+
+
+@dataclass(frozen=True)
+class PipelinePolicy:
+    """Pipeline-parallel schedule (seed §10).
+
+    Args:
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" or "zbv".
+        microbatches: micro-batches per optimizer step (m). The bubble is (p-1)/m for gpipe/1f1b.
+        virtual_stages: model chunks per rank (v) for interleaved and zero-bubble schedules.
+        split_points: optional fully qualified names of the blocks that start each stage after the first,
+            e.g. ("layers.2",). None balances blocks by parameter count.
+    """
+
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    microbatches: int = 4
+    virtual_stages: int = 1
+    split_points: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule.parse(self.schedule))
+        _check_positive_int("microbatches", self.microbatches)
+        _check_positive_int("virtual_stages", self.virtual_stages)
+        multi = self.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE, Schedule.ZB_H2)
+        if multi and self.virtual_stages < 2:
+            raise V17ConfigError(
+                f"pp_schedule={self.schedule.value!r} needs virtual_stages >= 2 (model chunks per rank); "
+                f"set virtual_stages=2 or use pp_schedule='1f1b'"
+            )
+        if self.schedule == Schedule.ZBV and self.virtual_stages != 2:
+            raise V17ConfigError("pp_schedule='zbv' uses exactly virtual_stages=2 (the V shape)")
+        if self.split_points is not None:
+            object.__setattr__(self, "split_points", tuple(self.split_points))
+
+
+@dataclass(frozen=True)
+class LossScalePolicy:
+    """fp16 dynamic loss scaling (seed §13; DeepSpeed's fp16 block).
+
+    Args:
+        init_scale: starting scale S.
+        growth_factor: S <- S * growth after ``growth_interval`` overflow-free steps.
+        backoff_factor: S <- S * backoff on an overflow.
+        growth_interval: overflow-free steps before growing (DeepSpeed's loss_scale_window).
+        hysteresis: overflows tolerated before backing off (DeepSpeed's hysteresis).
+        min_scale: smallest scale; falling below it is an error (the model diverged).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.init_scale > 0 and math.isfinite(self.init_scale)):
+            raise V17ConfigError(f"init_scale={self.init_scale} must be a finite positive number")
+        if self.growth_factor <= 1.0:
+            raise V17ConfigError(f"growth_factor={self.growth_factor} must be > 1")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise V17ConfigError(f"backoff_factor={self.backoff_factor} must be in (0, 1)")
+        _check_positive_int("growth_interval", self.growth_interval)
+        _check_positive_int("hysteresis", self.hysteresis)
+
+
+@dataclass(frozen=True)
+class TrainingPolicy:
+    """Everything V17Strategy was configured with, after parsing. Built once at the boundary.
+
+    Args:
+        zero: ZeRO partitioning policy.
+        offload: offload tiers.
+        pipeline: pipeline schedule policy (used when the mesh has pp > 1).
+        recompute: activation checkpointing mode.
+        sequence_parallel: shard norms/dropout along the sequence dim under TP (Korthikanti 2022 §4.2.2).
+        loss_scale: fp16 loss-scaling policy (None: Lightning's defaults, or bf16/fp32 with no scaler).
+        gradient_clipping: max global grad norm from a DeepSpeed config (None: use the Trainer's setting).
+        gradient_accumulation_steps: from a DeepSpeed config (None: use the Trainer's setting).
+        micro_batch_size: ``train_micro_batch_size_per_gpu`` from a DeepSpeed config, informational.
+        precision: precision from a DeepSpeed config (None: use the Trainer's ``precision=``).
+    """
+
+    zero: ZeroPolicy = field(default_factory=ZeroPolicy)
+    offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
+    recompute: Recompute = Recompute.NONE
+    sequence_parallel: bool = False
+    loss_scale: LossScalePolicy | None = None
+    gradient_clipping: float | None = None
+    gradient_accumulation_steps: int | None = None
+    micro_batch_size: int | None = None
+    precision: Precision | None = None

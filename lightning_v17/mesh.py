@@ -1,0 +1,71 @@
+"""MeshSpec -> torch DeviceMesh, and the runtime object that holds it.
+
+``MeshSpec`` (config.py) is the frozen, validated description. :class:`MeshRuntime` is the live state built in
+``Strategy.setup_environment`` once the process group exists; reading it before then raises a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_v17.config import AXIS_ORDER, Axis, MeshSpec, V17ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def build_device_mesh(spec: MeshSpec, *, device_type: str) -> DeviceMesh:
+    """Build one DeviceMesh with all five axes in :data:`AXIS_ORDER` (pp outermost, tp innermost).
+
+    Size-1 axes are kept so that every axis name can always be looked up (``mesh["tp"]`` works with tp=1).
+    The flattened ``"dp"`` axis (dp_replicate × dp_shard) is created too, for data loading and loss reduction,
+    and ``"dp_shard_cp"`` for FSDP when cp > 1 (torchtitan's convention).
+
+    Args:
+        spec: the validated mesh sizes; their product must equal the initialized world size.
+        device_type: "cpu" or "cuda".
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("build_device_mesh needs an initialized process group; call it from setup_environment")
+    world = dist.get_world_size()
+    if spec.world_size != world:
+        raise V17ConfigError(
+            f"mesh {dict(zip([a.value for a in AXIS_ORDER], spec.shape()))} has {spec.world_size} ranks "
+            f"but the world size is {world}; make the product of the axis sizes equal devices x num_nodes"
+        )
+    names = tuple(a.value for a in AXIS_ORDER)
+    mesh = init_device_mesh(device_type, spec.shape(), mesh_dim_names=names)
+    mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten("dp")
+    mesh[(Axis.DP_SHARD.value, Axis.CP.value)]._flatten("dp_shard_cp")
+    return mesh
+
+
+@dataclass
+class MeshRuntime:
+    """Live distributed state: the spec plus the DeviceMesh built from it."""
+
+    spec: MeshSpec
+    device_mesh: DeviceMesh
+
+    def __getitem__(self, axis: str | Axis) -> DeviceMesh:
+        return self.device_mesh[str(axis)]
+
+    def rank(self, axis: str | Axis) -> int:
+        return self.device_mesh[str(axis)].get_local_rank()
+
+    def group(self, axis: str | Axis):
+        return self.device_mesh[str(axis)].get_group()
+
+
+class UnsetMesh:
+    """Placeholder until ``setup_environment`` runs: any use raises an error that says so."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(
+            "the device mesh is not built yet: it exists after Trainer.fit/validate/test has called "
+            "strategy.setup_environment(); do not read strategy.mesh in __init__ or configure_* hooks called earlier"
+        )

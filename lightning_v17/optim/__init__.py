@@ -1,0 +1,1 @@
+"""lightning_v17.optim"""

@@ -1,0 +1,124 @@
+"""Spawn N real gloo ranks on this machine for a test, with a free port and a hard timeout.
+
+Usage::
+
+    def _worker(rank: int, world_size: int, tmp: str) -> dict:   # module-level, so spawn can pickle it
+        ...  # torch.distributed is initialized (gloo); env has RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*
+        return {"loss": 1.0}                                     # any picklable value
+
+    results = spawn(_worker, world_size=2, args=(str(tmp_path),))  # list indexed by rank
+
+Each rank's return value comes back; an exception in any rank fails the test with that rank's traceback; a hang
+fails after ``timeout`` seconds and the children are killed. The env vars are the torchrun ones, so a
+``lightning.Trainer(devices=N)`` built inside the worker sees an externally launched job and does not re-launch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A free TCP port chosen by the OS (bind to port 0); never a fixed one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, init_pg: bool, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        NODE_RANK="0",
+    )
+    import torch
+
+    # 2 cores shared by `world_size` ranks: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    try:
+        if init_pg:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def spawn(
+    fn: Callable[..., Any],
+    *,
+    world_size: int = 2,
+    args: tuple = (),
+    timeout: float = 240.0,
+    init_process_group: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes and return their results by rank.
+
+    Args:
+        fn: a module-level function (spawn pickles it by reference).
+        world_size: number of ranks.
+        args: extra picklable arguments.
+        timeout: seconds before the whole group is killed and the test fails.
+        init_process_group: initialize a gloo process group before calling ``fn`` (set False when the worker
+            lets Lightning do it).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, init_process_group, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    while len(results) + len(errors) < world_size:
+        if not queue.empty():
+            rank, ok, payload = queue.get()
+            (results if ok else errors)[rank] = payload
+            if errors:
+                break  # one rank failed: the others may be blocked in a collective forever
+            continue
+        if time.monotonic() > deadline:
+            break
+        if all(not p.is_alive() for p in procs) and queue.empty():
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=5 if not errors else 1)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise AssertionError(f"ranks {missing} gave no result within {timeout}s (exit codes {codes}): hung or crashed")
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,44 @@
+"""Build the wheel, install it into a fresh target directory, and import the three package roots from it.
+
+This catches package-dir mistakes (strategies/ and callbacks/ must land as lightning_v17.strategies/.callbacks)
+that an editable install in the source tree would hide.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_wheel_installs_and_imports(tmp_path):
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(ROOT)],
+        check=True,
+        cwd=tmp_path,
+    )
+    (wheel,) = wheel_dir.glob("lightning_v17-*.whl")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True
+    )
+    code = (
+        "import lightning_v17, lightning_v17.strategies as s, lightning_v17.callbacks as c, lightning_v17.planner;"
+        "print(lightning_v17.__file__); print(s.__file__); print(c.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+    files = out.stdout.split()
+    assert len(files) == 3
+    for f in files:  # every root comes from the installed wheel, not from the source tree
+        assert f.startswith(str(target)), f
+    assert files[1].endswith("lightning_v17/strategies/__init__.py")
+    assert files[2].endswith("lightning_v17/callbacks/__init__.py")
+
+
+def test_folders_refuse_other_import_names():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("strategies", "callbacks"):
+        r = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert r.returncode != 0 and f"lightning_v17.{name}" in r.stderr
