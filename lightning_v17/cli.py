@@ -1,0 +1,35 @@
+"""The ``v17`` console script.
+
+- ``v17 plan ...``: the torch-free memory/parallelism planner (lightning_v17/planner/cli.py).
+- ``v17 consolidate CKPT OUT``: a sharded checkpoint -> one full state dict (lightning_v17/engine/checkpoint.py).
+- ``v17 fit|validate|test|predict ...``: a LightningCLI (lightning_v17/trainer_cli.py), e.g.
+  ``v17 fit --config configs/tiny-cpu.yaml``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else ""
+    if command == "plan":
+        from lightning_v17.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
+    if command == "consolidate":
+        from lightning_v17.engine.checkpoint import consolidate_main
+
+        return consolidate_main(argv[1:])
+    if command in ("-h", "--help", ""):
+        print(__doc__.strip())
+        return 0 if command else 2
+    from lightning_v17.trainer_cli import run_lightning_cli
+
+    run_lightning_cli(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
