@@ -25,7 +25,8 @@ _EXPORTS: dict[str, str] = {
     "V17ConfigError": "lightning_v17.config",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__"]
+__all__ += list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -60,7 +61,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ini
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - teardown after a failure must not mask the real error
             pass
 
 

@@ -1,7 +1,14 @@
 import pytest
 
 from lightning_v17.config import (
-    MeshSpec, PipelinePolicy, Precision, Recompute, Schedule, V17ConfigError, ZeroPolicy, check_tp_divides,
+    MeshSpec,
+    PipelinePolicy,
+    Precision,
+    Recompute,
+    Schedule,
+    V17ConfigError,
+    ZeroPolicy,
+    check_tp_divides,
 )
 
 

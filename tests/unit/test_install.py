@@ -40,5 +40,24 @@ def test_wheel_installs_and_imports(tmp_path):
 def test_folders_refuse_other_import_names():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for name in ("strategies", "callbacks"):
-        r = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, env=env, capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+        )
         assert r.returncode != 0 and f"lightning_v17.{name}" in r.stderr
+
+
+def test_every_subpackage_is_listed_in_pyproject():
+    """setuptools' explicit package list must name every folder with an __init__.py (else the wheel lacks it)."""
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed, dirs = set(cfg["packages"]), cfg["package-dir"]
+    found = set()
+    for pkg, folder in dirs.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            if "__pycache__" in rel.parts:
+                continue
+            found.add(".".join([pkg, *rel.parts]) if rel.parts else pkg)
+    # a sub-folder mapped by its own package-dir entry is found twice (once under its parent); that is fine
+    assert found - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {found - listed}"

@@ -1,0 +1,225 @@
+"""``v17 plan``: the planner's command line. Flags map onto the input dataclasses of plan.py.
+
+Torch-free. Strings are parsed once, here, with the enums of ``lightning_v17.config`` (Recompute, Schedule, Tier,
+Precision, OptimizerKind). Bad input prints one line on stderr and returns exit code 2.
+
+Examples::
+
+    v17 plan --model llama3-70b --gpus 512
+    v17 plan --model llama2-7b --gpus 8 --zero-stage 2 --json
+    v17 plan --params 7.5e9 --dp 64 --zero-stage 3            # ZeRO Fig. 1, model state only
+    v17 plan --model llama3-8b --gpus 8 --tp 2 --max-model    # deepest model of this width that fits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, Tier
+from lightning_v17.planner.hardware import ACCELERATORS
+from lightning_v17.planner.model import PRESETS, Arch, ModelShape, get_preset, with_overrides
+from lightning_v17.planner.plan import ClusterSpec, ModelSpec, TrainSpec, make_plan, max_model
+from lightning_v17.planner.report import render_text, to_dict
+
+#: Defaults that make a preset's plan describe its usual run. ``tiny`` is the CPU reference model that the main
+#: job (``make run``) trains on 2 CPU ranks in fp32 with ZeRO-3.
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {"tiny": {"gpu": "cpu", "gpus": 2, "precision": "fp32"}}
+
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+# argparse only takes "-4" or "-.5" as a value; "-7e9" or "-70B" would read as an unknown option.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[+-]?\d+)?[kmbgt]?$", re.IGNORECASE)
+
+
+def _glue_negative_values(argv: list[str]) -> list[str]:
+    """["--params", "-7e9"] -> ["--params=-7e9"], so that a negative size gets the "must be positive" message."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_NUMBER.match(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+class _UsageError(Exception):
+    """Raised instead of argparse's print-usage-and-exit, so the CLI prints one line and returns 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
+
+
+def _count(text: str) -> int:
+    """'7.5e9', '70B', '175b', '1.5T' -> a positive integer parameter count."""
+    raw = text.strip().lower().replace("_", "").replace(",", "")
+    scale = _SUFFIXES.get(raw[-1:], 1.0) if raw else 1.0
+    try:
+        value = float(raw[:-1] if scale != 1.0 else raw) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 7.5e9 or 70B)") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of parameters")
+    return round(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer (sizes cannot be zero or negative)")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
+def _zero_stage(text: str) -> int:
+    if text.strip() not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage; choose 0, 1, 2 or 3")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``v17 plan`` argument parser; its errors raise instead of exiting (see :func:`main`)."""
+    p = _Parser(prog="v17 plan", description="Per-rank memory, communication, bubble, FLOPs and a recommended "
+                "layout for training a transformer. Every number cites its formula (lightning_v17/planner/).")
+    g = p.add_argument_group("model (a preset, explicit shape flags, or --params)")
+    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    g.add_argument("--params", type=_count, help="parameter count for model-state-only questions (7.5e9, 70B)")
+    g.add_argument("--arch", help="llama or gpt (default llama)")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+        g.add_argument(f"--{flag}", type=_positive_int, help=f"model {flag} (overrides the preset's)")
+    g.add_argument("--seq", type=_positive_int, help="training sequence length (default: the shape's)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpu", help=f"accelerator: {', '.join(ACCELERATORS)} (default h100-80gb)")
+    c.add_argument("--gpus", type=_positive_int, help="world size (default: dp * tp * pp * cp, or one node)")
+    c.add_argument("--gpus-per-node", type=_positive_int, help="devices per node (default: 8; cpu: 2)")
+    c.add_argument("--pcie-gbps", type=_positive_float, default=25.0, help="host<->device GB/s per rank")
+    c.add_argument("--nvme-gbps", type=_positive_float, default=3.0, help="NVMe GB/s per rank")
+    c.add_argument("--storage-gbps", type=_positive_float, default=5.0, help="checkpoint write GB/s per node")
+    c.add_argument("--node-mtbf-hours", type=_positive_float, default=6000.0, help="MTBF of one node, hours")
+    c.add_argument("--checkpoint-write-s", type=_positive_float, help="checkpoint write time (default: estimated)")
+    t = p.add_argument_group("layout and training (unset: chosen by the decision tree)")
+    for flag in ("tp", "pp", "dp", "cp"):
+        t.add_argument(f"--{flag}", type=_positive_int, help=f"{flag} size")
+    t.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallelism (default: on when tp > 1)")
+    t.add_argument("--zero-stage", type=_zero_stage, help="ZeRO stage 0-3")
+    t.add_argument("--optimizer", default="adamw", help=f"{', '.join(o.value for o in OptimizerKind)}")
+    t.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true or fp8 (default bf16-mixed)")
+    t.add_argument("--micro-batch", type=_positive_int, default=1, help="samples per micro-batch (b)")
+    t.add_argument("--global-batch", type=_positive_int, help="samples per step over all replicas")
+    t.add_argument("--microbatches", type=_positive_int, help="micro-batches per step per replica (m)")
+    t.add_argument("--recompute", help="none, selective or full (default: the least that fits)")
+    t.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zbv")
+    t.add_argument("--virtual-stages", type=_positive_int, help="model chunks per rank (interleaved schedules)")
+    t.add_argument("--offload-optimizer", default="none", help="none, cpu or nvme")
+    t.add_argument("--offload-params", default="none", help="none, cpu or nvme (ZeRO-3)")
+    t.add_argument("--mfu", type=_positive_float, default=0.5,
+                   help="assumed MFU without bubble or recomputation, for the step time (default 0.5)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    o.add_argument("--max-model", action="store_true",
+                   help="also report the largest model of this architecture that fits per rank with this layout")
+    return p
+
+
+def _model_spec(args: argparse.Namespace) -> ModelSpec:
+    shape_flags = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+                   "ffn": args.ffn, "vocab": args.vocab}
+    given = {k: v for k, v in shape_flags.items() if v is not None}
+    if args.model is not None:
+        if args.params is not None:
+            raise _UsageError("give either --model or --params, not both")
+        shape = get_preset(args.model)
+        if args.arch is not None:
+            given["arch"] = Arch.parse(args.arch)
+        return ModelSpec(shape=with_overrides(shape, **given), name=args.model.strip().lower())
+    if given or args.arch is not None:
+        if args.params is not None:
+            raise _UsageError("give either the shape flags or --params, not both")
+        missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab") if k not in given]
+        if missing:
+            raise _UsageError(f"an explicit shape needs {', '.join(missing)} (or use --model PRESET)")
+        arch = Arch.parse(args.arch or "llama")
+        h = given["hidden"]
+        # Defaults: GPT-3's 4h MLP; llama's SwiGLU width 2/3·4h rounded up to a multiple of 256 (Touvron 2023,
+        # llama/model.py ``multiple_of``), which gives 11008 for h = 4096.
+        ffn = given.get("ffn") or (4 * h if arch == Arch.GPT else -(-(8 * h // 3) // 256) * 256)
+        shape = ModelShape(arch=arch, layers=given["layers"], hidden=h, heads=given["heads"],
+                           kv_heads=given.get("kv_heads", given["heads"]), ffn=ffn, vocab=given["vocab"],
+                           seq=args.seq or 4096, tie_embeddings=arch == Arch.GPT)
+        return ModelSpec(shape=shape, name="custom")
+    if args.params is not None:
+        return ModelSpec(params=args.params, name="custom")
+    raise _UsageError(f"give a model: --model {{{', '.join(PRESETS)}}}, the shape flags, or --params N")
+
+
+def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
+    """Map parsed flags onto the planner's input dataclasses (strings parsed once, into enums)."""
+    model = _model_spec(args)
+    defaults = PRESET_DEFAULTS.get(model.name, {}) if args.model is not None else {}
+    gpus = args.gpus
+    if gpus is None and args.dp is None and not (args.tp or args.pp or args.cp):
+        gpus = defaults.get("gpus")
+    cluster = ClusterSpec(
+        gpu=args.gpu or defaults.get("gpu", "h100-80gb"), gpus=gpus, gpus_per_node=args.gpus_per_node,
+        pcie_gbps=args.pcie_gbps, nvme_gbps=args.nvme_gbps, storage_gbps=args.storage_gbps,
+        node_mtbf_hours=args.node_mtbf_hours,
+    )  # fmt: skip
+    train = TrainSpec(
+        tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, zero_stage=args.zero_stage,
+        optimizer=OptimizerKind.parse(args.optimizer, "--optimizer"),
+        precision=Precision.parse(args.precision or defaults.get("precision", "bf16-mixed"), "--precision"),
+        micro_batch=args.micro_batch, seq=args.seq, global_batch=args.global_batch, microbatches=args.microbatches,
+        recompute=None if args.recompute is None else Recompute.parse(args.recompute, "--recompute"),
+        schedule=None if args.schedule is None else Schedule.parse(args.schedule, "--schedule"),
+        virtual_stages=args.virtual_stages,
+        offload_optimizer=Tier.parse(args.offload_optimizer, "--offload-optimizer"),
+        offload_params=Tier.parse(args.offload_params, "--offload-params"),
+        mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s,
+    )  # fmt: skip
+    return model, cluster, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``v17 plan``. Returns 0 on success, 2 on bad input (one line on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(_glue_negative_values(argv))
+        model, cluster, train = specs_from_args(args)
+        plan = make_plan(model, cluster, train)
+        biggest = max_model(plan) if args.max_model else None
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except (_UsageError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        print(f"v17 plan: error: {message}", file=sys.stderr)
+        return 2
+    if args.json:
+        text = json.dumps(to_dict(plan, biggest, max_model_asked=args.max_model), indent=2)
+    else:
+        text = render_text(plan, biggest, max_model_asked=args.max_model)
+    try:
+        print(text)
+    except BrokenPipeError:  # `v17 plan ... | head`: the reader left; not an error
+        sys.stdout = None  # type: ignore[assignment]  # keep the interpreter from flushing to the closed pipe
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

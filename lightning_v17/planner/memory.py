@@ -1,0 +1,283 @@
+"""Per-rank memory: model state (ZeRO), activations (Korthikanti), temporary buffers.
+
+Torch-free. Every function has its units in its name and its source in its docstring. Bytes are per rank.
+
+Conventions (seed §1-§2, ZeRO Table 1): mixed precision keeps 16-bit parameters (2 B) and gradients (2 B); the
+optimizer bucket holds everything the optimizer owns, the fp32 master copy included (K = 12 for Adam). In fp32
+training the parameter itself is the master, so K = 8 for Adam (exp_avg + exp_avg_sq).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, ZeroPolicy
+
+#: Activation element size in bytes behind Korthikanti 2022 Table 2 (16-bit activations, 1-byte dropout masks).
+ACT_ELEMENT_BYTES_16BIT = 2
+
+
+def param_bytes_per_param(precision: Precision) -> float:
+    """Bytes of the working copy of one parameter: 4 in fp32, 2 in every 16-bit or fp8 mode.
+
+    Source: ZeRO (Rajbhandari 2020) §3.1 ("2Ψ bytes for fp16 parameters"). fp8 training (Transformer Engine,
+    torchao) keeps bf16 weights and casts to fp8 per matmul, so it also counts 2 B.
+    """
+    return 4.0 if Precision.parse(precision) == Precision.FP32 else 2.0
+
+
+def grad_bytes_per_param(precision: Precision) -> float:
+    """Bytes of one parameter's gradient: 4 in fp32, 2 otherwise. Source: ZeRO (Rajbhandari 2020) §3.1."""
+    return 4.0 if Precision.parse(precision) == Precision.FP32 else 2.0
+
+
+def optimizer_state_components(kind: OptimizerKind, precision: Precision) -> tuple[tuple[str, float], ...]:
+    """The optimizer bucket split into named parts, each in bytes per parameter (their sum is K).
+
+    Sources:
+      - Adam/AdamW: ZeRO (Rajbhandari 2020) §3.1: fp32 master 4 B + momentum 4 B + variance 4 B = K 12.
+      - Adam8bit: Dettmers 2022 (8-bit Optimizers) §2: two uint8 states plus one fp32 absmax per block; bitsandbytes
+        0.50 ``optim/optimizer.py`` uses blocksize 256, so each state costs 1 + 4/256 B. (Tensors under
+        ``min_8bit_size`` = 4096 elements keep 32-bit state; ignored here.)
+      - Adafactor: Shazeer & Stern 2018 §3: the second moment is factored into row and column vectors,
+        O(rows + cols) per matrix, i.e. under 0.01 B/param for h >= 1024; no first moment (beta1 = None). Counted
+        as 0.
+      - Lion: Chen 2023 (Symbolic Discovery of Optimization Algorithms) Alg. 1: one momentum buffer.
+      - SGD: one momentum buffer (torch.optim.SGD with momentum > 0).
+
+    States are fp32, except in ``bf16-true`` where they take the parameter dtype (2 B) and there is no master. In
+    fp32 the parameter is the master, so no extra copy is counted.
+    """
+    kind = OptimizerKind.parse(kind)
+    precision = Precision.parse(precision)
+    state = 2.0 if precision == Precision.BF16_TRUE else 4.0
+    parts: list[tuple[str, float]] = []
+    if precision not in (Precision.FP32, Precision.BF16_TRUE):
+        parts.append(("master", 4.0))
+    if kind in (OptimizerKind.ADAM, OptimizerKind.ADAMW):
+        parts += [("moment", state), ("var", state)]
+    elif kind == OptimizerKind.ADAM8BIT:
+        parts += [("moment", 1.0 + 4.0 / 256), ("var", 1.0 + 4.0 / 256)]
+    elif kind == OptimizerKind.ADAFACTOR:
+        parts += [("var", 0.0)]
+    elif kind in (OptimizerKind.LION, OptimizerKind.SGD):
+        parts += [("moment", state)]
+    return tuple(parts)
+
+
+def optimizer_bytes_per_param(kind: OptimizerKind, precision: Precision) -> float:
+    """K, the optimizer-state bytes per parameter (fp32 master included when one exists).
+
+    Source: ZeRO (Rajbhandari 2020) §3.1 (K = 12 for mixed-precision Adam); other optimizers per
+    :func:`optimizer_state_components`. Examples: (adamw, bf16-mixed) -> 12; (adamw, fp32) -> 8;
+    (adam8bit, bf16-mixed) -> 4 + 2 * (1 + 4/256) = 6.03125.
+    """
+    return float(sum(b for _, b in optimizer_state_components(kind, precision)))
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Per-rank model-state bytes (ints, rounded up: the largest shard decides what must fit)."""
+
+    param: int
+    grad: int
+    optimizer: int
+    total: int
+
+
+def model_state_bytes_per_rank(
+    num_params: float,
+    *,
+    zero_stage: int,
+    dp: int,
+    tp: int = 1,
+    pp: int = 1,
+    param_bytes: float = 2.0,
+    grad_bytes: float = 2.0,
+    optimizer_bytes: float = 12.0,
+) -> ModelStateBytes:
+    """Parameter, gradient and optimizer bytes held by one rank under ZeRO stage 0-3.
+
+    Source: ZeRO (Rajbhandari 2020) §3.1 and Fig. 1. With Ψ = num_params / (tp * pp) per model-parallel rank and
+    N_d = dp: stage 0 keeps (2 + 2 + K)Ψ; stage 1 (P_os) divides the optimizer state by N_d; stage 2 (P_os+g) also
+    the gradients; stage 3 (P_os+g+p) also the parameters. Fig. 1 (Ψ = 7.5e9, N_d = 64, K = 12): 120 / 31.4 /
+    16.6 / 1.88 GB.
+
+    Args:
+        num_params: parameters of the whole model (Ψ before model parallelism).
+        zero_stage: 0, 1, 2 or 3.
+        dp: data-parallel ranks that ZeRO shards over (N_d).
+        tp: tensor-parallel size; model state is divided by tp * pp first.
+        pp: pipeline-parallel size.
+        param_bytes: bytes per parameter of the working copy (2 mixed, 4 fp32).
+        grad_bytes: bytes per gradient element (2 mixed, 4 fp32).
+        optimizer_bytes: K, see :func:`optimizer_bytes_per_param`.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    for name, value in (("num_params", num_params), ("dp", dp), ("tp", tp), ("pp", pp)):
+        if value < 1 and not (name == "num_params" and value == 0):
+            raise ValueError(f"{name}={value!r} must be positive")
+    psi = num_params / (tp * pp)
+    param = math.ceil(psi * param_bytes / (dp if zero_stage >= 3 else 1))
+    grad = math.ceil(psi * grad_bytes / (dp if zero_stage >= 2 else 1))
+    optimizer = math.ceil(psi * optimizer_bytes / (dp if zero_stage >= 1 else 1))
+    return ModelStateBytes(param=param, grad=grad, optimizer=optimizer, total=param + grad + optimizer)
+
+
+def activation_bytes_per_layer(
+    *,
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: Recompute = Recompute.NONE,
+    cp: int = 1,
+    element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
+) -> int:
+    """Activation bytes one transformer layer keeps for backward, per rank, for one micro-batch.
+
+    Source: Korthikanti 2022 (Reducing Activation Recomputation) Table 2, with s = seq, b = micro_batch,
+    h = hidden, a = heads, t = tp:
+
+    ==============================  ===========================
+    no parallelism                  sbh(34 + 5as/h)
+    tensor parallel (TP)            sbh(10 + 24/t + 5as/(ht))
+    TP + sequence parallel (SP)     sbh/t (34 + 5as/h)
+    TP + selective recompute        sbh(10 + 24/t)
+    TP + SP + selective recompute   sbh · 34/t
+    full recompute                  2sbh  (2sbh/t with SP, Megatron keeps the layer input sharded)
+    ==============================  ===========================
+
+    The constants come from §4.1's count with 16-bit activations and 1-byte dropout masks: 34 = 16 elements × 2 B
+    + 2 masks; 10 = 4 replicated elements × 2 B + 2 masks; 24 = 12 TP-sharded elements × 2 B; 5 = 2 score
+    elements × 2 B + 1 mask. ``element_bytes`` = 4 (fp32 training) rescales the elements, not the masks. The
+    count is derived for a GPT block (MHA, 4h GeLU MLP, dropout); for llama blocks it is the usual estimate. The
+    5as/h term is the attention score matrix: selective recompute (and FlashAttention) removes it. Context
+    parallelism (cp) splits the queries: the leading s becomes s/cp, the s inside 5as/h stays.
+
+    Args:
+        seq: sequence length s (tokens per sample).
+        micro_batch: micro-batch size b (samples).
+        hidden: h.
+        heads: a.
+        tp: tensor-parallel size t.
+        sp: sequence parallelism on (only meaningful with tp > 1).
+        recompute: none, selective or full.
+        cp: context-parallel size.
+        element_bytes: bytes per activation element (2 for 16-bit training, 4 for fp32).
+    """
+    recompute = Recompute.parse(recompute, "recompute")
+    e = element_bytes
+    sbh = (seq / cp) * micro_batch * hidden
+    if recompute == Recompute.FULL:
+        return math.ceil(e * sbh / (tp if sp else 1))
+    replicated = 4 * e + 2  # 10 for 16-bit: LayerNorm inputs, attention/MLP inputs, dropout masks
+    sharded = 12 * e  # 24 for 16-bit: Q, K, V, attention output, MLP intermediates
+    scores = 0.0 if recompute == Recompute.SELECTIVE else (2 * e + 1) * heads * seq / hidden  # 5as/h
+    if sp:
+        per_sbh = (replicated + sharded + scores) / tp
+    else:
+        per_sbh = replicated + (sharded + scores) / tp
+    return math.ceil(sbh * per_sbh)
+
+
+def microbatches_in_flight(*, schedule: Schedule, pp: int, microbatches: int) -> int:
+    """Micro-batches whose activations the first pipeline stage holds at its peak.
+
+    Sources: GPipe (Huang 2019) keeps all m; 1F1B (Narayanan 2021 §2.2.1, Korthikanti 2022 §4.2.3) at most p;
+    ZB-H1 and ZBV the same as 1F1B, ZB-H2 about 2p - 1 (Qi 2023, Zero Bubble Pipeline Parallelism §3).
+    """
+    schedule = Schedule.parse(schedule, "schedule")
+    if pp <= 1:
+        return 1
+    if schedule == Schedule.GPIPE:
+        return microbatches
+    if schedule == Schedule.ZB_H2:
+        return min(2 * pp - 1, microbatches)
+    return min(pp, microbatches)
+
+
+def activation_bytes_first_stage(
+    per_layer_bytes: int,
+    *,
+    layers: int,
+    pp: int = 1,
+    microbatches: int = 1,
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
+    virtual_stages: int = 1,
+) -> int:
+    """Activation bytes on the first pipeline stage (the peak), per rank.
+
+    Source: Korthikanti 2022 §4.2.3 / Eq. 5: under 1F1B the first stage holds p micro-batches of L/p layers, i.e.
+    L layers' worth, whatever p is; the interleaved schedule multiplies this by (1 + (p - 1)/(p·v)) for v model
+    chunks per rank. GPipe holds all m micro-batches (Huang 2019). With pp = 1 one micro-batch is live at a time
+    (gradient accumulation frees it before the next).
+
+    Args:
+        per_layer_bytes: :func:`activation_bytes_per_layer`.
+        layers: L, transformer blocks of the whole model.
+        pp: pipeline stages p.
+        microbatches: micro-batches per step per pipeline (m).
+        schedule: pipeline schedule.
+        virtual_stages: v, model chunks per rank (interleaved schedules).
+    """
+    schedule = Schedule.parse(schedule, "schedule")
+    layers_per_stage = math.ceil(layers / pp)
+    in_flight = microbatches_in_flight(schedule=schedule, pp=pp, microbatches=microbatches)
+    factor = 1.0
+    if pp > 1 and schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE) and virtual_stages > 1:
+        factor = 1.0 + (pp - 1) / (pp * virtual_stages)
+    return math.ceil(per_layer_bytes * layers_per_stage * in_flight * factor)
+
+
+def zero3_gather_bytes(
+    largest_unit_params: int, *, tp: int = 1, param_bytes: float = 2.0, grad_bytes: float = 2.0, prefetch: int = 1
+) -> int:
+    """Temporary bytes of ZeRO-3/FSDP: the all-gathered largest unit, plus prefetched units, plus its full grad.
+
+    Source: ZeRO (Rajbhandari 2020) §5.3 (parameters are gathered per layer and freed after use), seed §3.7
+    and §5.8 ("full param (AG 직후): P_i ← temporary"); FSDP2 prefetches one unit ahead by default, so
+    (1 + prefetch) units are gathered at once. In backward the unit's unsharded gradient exists until its
+    reduce-scatter. Under TP the gathered unit is the rank's TP shard, hence / tp.
+    """
+    unit = largest_unit_params / tp
+    return math.ceil(unit * param_bytes * (1 + prefetch) + unit * grad_bytes)
+
+
+def grad_bucket_bytes(*, zero_stage: int, bucket_mb: float = ZeroPolicy.bucket_mb) -> int:
+    """Temporary gradient-reduction bucket for ZeRO-1/2 (DeepSpeed ``reduce_bucket_size``), in bytes.
+
+    Source: ZeRO (Rajbhandari 2020) §5.2 (gradients are reduced in buckets) and ``ZeroPolicy.bucket_mb`` (MiB).
+    Stage 0 (DDP) reduces gradients in place (``gradient_as_bucket_view``) and stage 3 is covered by
+    :func:`zero3_gather_bytes`, so both count 0.
+    """
+    return int(bucket_mb * 2**20) if zero_stage in (1, 2) else 0
+
+
+def logits_bytes(*, seq: int, micro_batch: int, vocab: int, tp: int = 1) -> int:
+    """fp32 logits of one micro-batch on the rank that computes the loss, in bytes: 4·b·s·V/t.
+
+    Source: the output layer and cross entropy of Korthikanti 2022 §4.3 (the logits are upcast to fp32 for a
+    stable softmax and kept for its backward; vocab-parallel under TP).
+    """
+    return math.ceil(4 * seq * micro_batch * vocab / tp)
+
+
+__all__ = [
+    "ModelStateBytes",
+    "activation_bytes_first_stage",
+    "activation_bytes_per_layer",
+    "grad_bucket_bytes",
+    "grad_bytes_per_param",
+    "logits_bytes",
+    "microbatches_in_flight",
+    "model_state_bytes_per_rank",
+    "optimizer_bytes_per_param",
+    "optimizer_state_components",
+    "param_bytes_per_param",
+    "zero3_gather_bytes",
+]

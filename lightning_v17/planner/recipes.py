@@ -1,0 +1,208 @@
+"""The seed's decision tree (§17.4) and its anti-patterns (§17.5), as pure functions.
+
+Torch-free. The tree (seed §17.4):
+
+    model ≤ 10B?          → FSDP FULL_SHARD (ZeRO-3) only
+    intra-node NVLink?    → TP = 8 inside the node
+    model ≤ 100B?         → TP8 + PP4 + DP
+    otherwise             → TP8 + PP≥8 + ZeRO-1 (+ CP for long sequences / EP for MoE)
+
+Anti-patterns (seed §17.5, §10.7, issue 2): TP across nodes; PP with ZeRO-2/3; tp not dividing the heads; fewer
+than 4·p micro-batches; small DP with a huge PP; a plan that does not fit in device memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lightning_v17.config import Schedule, Tier, divisors
+
+SMALL_MODEL_PARAMS = 10e9  # seed §17.4: "model ≤ 10B? → FSDP (FULL_SHARD) only"
+MEDIUM_MODEL_PARAMS = 100e9  # seed §17.4: "model ≤ 100B? → TP8 + PP4 + DP"
+LONG_SEQUENCE = 32768  # beyond this, the tree's "+CP" branch applies (context parallelism)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The decision tree's layout for a model on a cluster.
+
+    Args:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        dp: data-parallel size (None when the world size is unknown).
+        cp: context-parallel size (1: the tree's "+CP" is a note, not a choice, while cp is unimplemented).
+        zero_stage: ZeRO stage.
+        sp: sequence parallelism with TP.
+        schedule: pipeline schedule.
+        reason: the branch of the tree that was taken.
+        notes: extra advice (CP/EP, adjustments made to fit the cluster).
+    """
+
+    tp: int
+    pp: int
+    dp: int | None
+    cp: int
+    zero_stage: int
+    sp: bool
+    schedule: Schedule
+    reason: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def largest_tp(limit: int, *dims: int) -> int:
+    """Largest divisor of ``limit`` (the node's TP budget) that divides every one of ``dims`` (heads, kv_heads,
+    ffn), so that TP groups tile a node and shard every head evenly."""
+    common = set.intersection(*(set(divisors(d)) for d in dims)) if dims else set(divisors(limit))
+    return max(d for d in common if limit % d == 0)
+
+
+def recommend(
+    num_params: float,
+    *,
+    gpus: int | None,
+    gpus_per_node: int,
+    nvlink: bool,
+    layers: int | None = None,
+    tp_dims: tuple[int, ...] = (),
+    seq: int | None = None,
+    model_state_fits: Callable[[int, int], bool] | None = None,
+) -> Recommendation:
+    """Walk the seed's decision tree (§17.4).
+
+    Args:
+        num_params: model parameters.
+        gpus: world size, or None when only dp is known (then dp is left to the caller).
+        gpus_per_node: devices per node (TP stays inside a node).
+        nvlink: whether the node has a fast switched fabric (the tree's "intra-node NVLink?").
+        layers: transformer blocks; pp never exceeds it.
+        tp_dims: model dims tp must divide (heads, kv_heads, ffn); empty when only ``params`` is known.
+        seq: training sequence length, for the "+CP" note.
+        model_state_fits: optional ``f(tp, pp) -> bool``; for > 100B models PP doubles from 8 until it is true.
+    """
+    notes: list[str] = []
+    max_pp = layers if layers else 10**9
+
+    def cap(tp: int, pp: int) -> tuple[int, int]:
+        # Shrink the layout to the cluster: tp*pp must divide the world size.
+        if gpus is None:
+            return tp, pp
+        while tp > 1 and gpus % tp != 0:
+            tp //= 2
+        while pp > 1 and (gpus % (tp * pp) != 0):
+            pp -= 1
+        return tp, pp
+
+    if num_params <= SMALL_MODEL_PARAMS:
+        reason = "≤10B parameters: FSDP FULL_SHARD (ZeRO-3) over all ranks, no TP/PP (seed §17.4)"
+        tp, pp, zero = 1, 1, 3
+    elif not nvlink or gpus_per_node < 2:
+        reason = (">10B without an intra-node NVLink fabric: TP would cross slow links, so FSDP FULL_SHARD "
+                  "(ZeRO-3) over all ranks (seed §17.4-18.5)")
+        tp, pp, zero = 1, 1, 3
+    else:
+        tp_limit = min(8, gpus_per_node)
+        tp = largest_tp(tp_limit, *tp_dims) if tp_dims else tp_limit
+        if tp != tp_limit:
+            notes.append(f"tp={tp_limit} does not divide the model dims {tp_dims}; using tp={tp}")
+        if num_params <= MEDIUM_MODEL_PARAMS:
+            reason = "10-100B parameters with NVLink: TP8 inside the node + PP4 + DP (ZeRO-1) (seed §17.4)"
+            pp = min(4, max_pp)
+        else:
+            reason = ">100B parameters: TP8 + PP≥8 + ZeRO-1 (+CP/EP) (seed §17.4)"
+            pp = min(8, max_pp)
+            while model_state_fits is not None and not model_state_fits(tp, pp) and pp * 2 <= max_pp:
+                if gpus is not None and gpus % (tp * pp * 2) != 0:
+                    break
+                pp *= 2
+        zero = 1
+    capped = cap(tp, pp)
+    if gpus is not None and capped[0] * capped[1] > gpus:
+        capped = (1, 1)
+    if capped != (tp, pp):
+        notes.append(f"{gpus} devices cannot hold tp={tp} x pp={pp}; shrunk to tp={capped[0]} x pp={capped[1]}")
+        tp, pp = capped
+    if seq is not None and seq >= LONG_SEQUENCE:
+        notes.append(f"seq={seq} ≥ {LONG_SEQUENCE}: add context parallelism (cp) to split activations (seed §17.4)")
+    if num_params > MEDIUM_MODEL_PARAMS:
+        notes.append("for MoE models add expert parallelism (EP), not modelled here")
+    dp = gpus // (tp * pp) if gpus is not None else None
+    if dp == 1 and zero > 0:
+        notes.append(f"dp=1: nothing to shard over data parallelism, so zero_stage=0 instead of {zero}")
+        zero = 0
+    return Recommendation(tp=tp, pp=pp, dp=dp, cp=1, zero_stage=zero, sp=tp > 1, schedule=Schedule.ONE_F_ONE_B,
+                          reason=reason, notes=tuple(notes))
+
+
+def anti_pattern_warnings(
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    cp: int,
+    sp: bool,
+    zero_stage: int,
+    gpus_per_node: int,
+    microbatches: int,
+    offload_params: Tier = Tier.NONE,
+    offload_optimizer: Tier = Tier.NONE,
+) -> list[str]:
+    """Warnings for the layout's anti-patterns (seed §17.5, §10.7; issue 2). Each names the fix."""
+    warnings: list[str] = []
+    if tp > gpus_per_node:
+        warnings.append(
+            f"TP across nodes: tp={tp} > gpus_per_node={gpus_per_node}; TP's per-layer all-reduces need NVLink, "
+            f"keep tp <= {gpus_per_node} (seed §17.5)"
+        )
+    if pp > 1 and zero_stage >= 2:
+        warnings.append(
+            f"PP with ZeRO-{zero_stage}: partitioned grads/params are reduced or gathered every micro-batch, "
+            f"across stages; use zero_stage=1 with pp>1 (seed §17.5)"
+        )
+    if pp > 1 and microbatches < 4 * pp:
+        warnings.append(
+            f"micro-batch count m={microbatches} < 4·p={4 * pp}: the bubble is large; raise --microbatches or "
+            f"--global-batch, or use an interleaved/zero-bubble schedule (seed §10.7)"
+        )
+    if pp >= 8 and dp <= 2:
+        warnings.append(
+            f"small DP with a huge PP (dp={dp}, pp={pp}): the DP gradient all-reduce cannot hide in the bubble "
+            f"(seed §17.5); trade pipeline stages for data parallelism"
+        )
+    if sp and tp == 1:
+        warnings.append("sp has no effect with tp=1 (sequence parallelism shards along the TP group)")
+    if offload_params != Tier.NONE and zero_stage != 3:
+        warnings.append(
+            f"offload_params={offload_params.value} needs zero_stage=3 (ZeRO-Infinity offloads parameter shards); "
+            f"ignored at zero_stage={zero_stage}"
+        )
+    if zero_stage > 0 and dp * cp == 1:
+        warnings.append(f"zero_stage={zero_stage} with dp=1 shards nothing; ZeRO partitions over data parallelism")
+    if cp > 1:
+        warnings.append("cp>1 is modelled here but V17Strategy does not implement context parallelism yet (cp=1)")
+    return warnings
+
+
+def fit_warning(gpu_bytes: int, memory_bytes: int, *, name: str) -> str | None:
+    """The "does not fit in N GB" warning, or None when the plan fits (GB = 1e9 bytes)."""
+    if gpu_bytes <= memory_bytes:
+        return None
+    return (
+        f"does not fit in {memory_bytes / 1e9:.0f} GB ({name}): needs {gpu_bytes / 1e9:.1f} GB per rank; "
+        f"try recompute, more tp/pp/dp, a higher zero_stage or offload"
+    )
+
+
+def default_microbatches(pp: int) -> int:
+    """m = 4·p micro-batches per step with a pipeline (seed §10.7: "M ≥ 4·P → 1F1B 충분"), 1 without."""
+    return 4 * pp if pp > 1 else 1
+
+
+__all__ = [
+    "Recommendation",
+    "anti_pattern_warnings",
+    "default_microbatches",
+    "fit_warning",
+    "largest_tp",
+    "recommend",
+]

@@ -1,0 +1,240 @@
+"""Render a :class:`~lightning_v17.planner.plan.Plan`: the human report (seed §1.5 ASCII bars) and the JSON object.
+
+Torch-free. Bytes are per rank; GB = 1e9 bytes (ZeRO's unit). JSON bytes are integers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_v17.config import OptimizerKind, Precision, Tier
+from lightning_v17.planner import memory as mem
+from lightning_v17.planner.plan import MaxModel, Plan
+
+BAR_WIDTH = 32
+
+
+def fmt_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (decimal units, as ZeRO and the vendors count)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_count(n: float) -> str:
+    """6738415616 -> '6.74B'."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def fmt_rate(flops_per_s: float) -> str:
+    """989.4e12 -> '989.4 TFLOP/s'; 105e9 -> '105 GFLOP/s'."""
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.4g} TFLOP/s"
+    return f"{flops_per_s / 1e9:.4g} GFLOP/s"
+
+
+def fmt_flops(n: float) -> str:
+    """1.01e18 -> '1.01e18' (no '+')."""
+    return f"{n:.3g}".replace("e+", "e")
+
+
+def fmt_seconds(s: float) -> str:
+    """Seconds as h / min / s / ms, whichever reads best."""
+    if s >= 3600:
+        return f"{s / 3600:.4g} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.1f} ms"
+
+
+def bar(value: float, largest: float, width: int = BAR_WIDTH) -> str:
+    """A bar of full blocks scaled to ``largest``; a nonzero value shows at least a thin sliver."""
+    if largest <= 0 or value <= 0:
+        return ""
+    n = round(width * value / largest)
+    return "█" * n if n else "▏"
+
+
+def _dtype(precision: Precision) -> str:
+    return {Precision.FP32: "fp32", Precision.FP16_MIXED: "fp16"}.get(precision, "bf16")
+
+
+def _state_dtype(name: str, plan: Plan) -> str:
+    lay = plan.layout
+    if name == "master":
+        return "fp32"
+    if lay.optimizer == OptimizerKind.ADAM8BIT:
+        return "int8"
+    if lay.optimizer == OptimizerKind.ADAFACTOR:
+        return "fact"
+    return "bf16" if lay.precision == Precision.BF16_TRUE else "fp32"
+
+
+def bucket_rows(plan: Plan) -> list[tuple[str, int, str]]:
+    """(label, bytes, tier) for each bar, in the seed's order (§1.5)."""
+    m, lay = plan.memory, plan.layout
+    dt = _dtype(lay.precision)
+    params_tier = lay.offload_params if lay.zero_stage == 3 else Tier.NONE
+    grad_tier = Tier.CPU if lay.offload_optimizer != Tier.NONE else Tier.NONE
+    rows = [(f"param  ({dt})", m.param, params_tier.value), (f"grad   ({dt})", m.grad, grad_tier.value)]
+    for name, nbytes in m.optimizer_parts:
+        rows.append((f"{name:<6} ({_state_dtype(name, plan)})", nbytes, lay.offload_optimizer.value))
+    rows.append(("activations", m.activation, "none"))
+    rows.append(("temp buffers", m.temp, "none"))
+    return rows
+
+
+def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: bool = False) -> str:
+    """The human report: header, bars, comm/bubble/FLOPs lines, recommendation and warnings."""
+    lay, acc, m = plan.layout, plan.cluster.accelerator, plan.memory
+    shape = plan.model.shape
+    out: list[str] = []
+    if shape is not None:
+        dims = (f"L={shape.layers} h={shape.hidden} a={shape.heads} kv={shape.kv_heads} ffn={shape.ffn} "
+                f"V={shape.vocab}")
+        out.append(f"v17 plan: {plan.model.name} ({shape.arch.value}, {fmt_count(plan.model.num_params)} params; "
+                   f"{dims})")
+    else:
+        out.append(f"v17 plan: {fmt_count(plan.model.num_params)} params (no shape: model state only)")
+    gpn = plan.cluster.gpus_per_node or acc.gpus_per_node
+    peak = acc.peak_flops_for(lay.precision)
+    out.append(f"cluster : {lay.gpus} x {acc.name} ({plan.nodes} node{'s' * (plan.nodes > 1)} x {gpn}), "
+               f"{fmt_bytes(acc.memory_bytes)} and {fmt_rate(peak)} ({_dtype(lay.precision)}) per device")
+    out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp} sp={'on' if lay.sp else 'off'} "
+               f"zero={lay.zero_stage} recompute={lay.recompute.value} | {lay.optimizer.value} {lay.precision.value}"
+               f" | offload optimizer={lay.offload_optimizer.value} params={lay.offload_params.value}")
+    out.append(f"batch   : micro-batch {lay.micro_batch} x seq {lay.seq}, m={lay.microbatches} micro-batches, "
+               f"global batch {lay.global_batch} ({fmt_count(lay.global_batch * lay.seq)} tokens/step)")
+    out.append("")
+    rows = bucket_rows(plan)
+    largest = max(b for _, b, _ in rows)
+    out.append("per-rank memory (GB = 1e9 bytes), bars scaled to the largest bucket")
+    for label, nbytes, tier in rows:
+        where = "" if tier == "none" else f"  [{tier}]"
+        shown = "n/a" if shape is None and label == "activations" else fmt_bytes(nbytes)
+        out.append(f"{label:<14} {bar(nbytes, largest):<{BAR_WIDTH}}  {shown:>9}{where}")
+    slice_params = plan.model.num_params / (lay.tp * lay.pp)
+    before = (m.param + m.grad + m.optimizer) and (
+        mem.param_bytes_per_param(lay.precision) + mem.grad_bytes_per_param(lay.precision)
+        + mem.optimizer_bytes_per_param(lay.optimizer, lay.precision))
+    out.append(f"{'':<14} └── model state {fmt_bytes(m.model_state)}: {before:.4g} B/param, "
+               f"{m.model_state / slice_params:.3g} after ZeRO-{lay.zero_stage} over dp={lay.dp * lay.cp} "
+               f"(Ψ/(tp·pp) = {fmt_count(slice_params)})")
+    t = m.tiers
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    out.append(f"{'total':<14} {fmt_bytes(m.total)}: gpu {fmt_bytes(t.gpu)} of {fmt_bytes(acc.memory_bytes)} "
+               f"({verdict}), cpu {fmt_bytes(t.cpu)}, nvme {fmt_bytes(t.nvme)}")
+    out.append("")
+    out.append(f"comm    : {fmt_bytes(plan.comm_bytes_per_step)} per step per rank, "
+               f"~{fmt_seconds(plan.comm_time_s)} if not overlapped")
+    for c in plan.collectives:
+        out.append(f"          {c.name:<44} {fmt_bytes(c.bytes_per_step):>9}")
+    if lay.pp > 1:
+        out.append(f"pipeline: {lay.schedule.value} p={lay.pp} m={lay.microbatches} v={lay.virtual_stages}: "
+                   f"bubble {plan.bubble:.1%} of ideal compute time")
+    else:
+        out.append("pipeline: none (pp=1), bubble 0%")
+    rec_txt = "no recompute" if lay.recompute.value == "none" else f"{lay.recompute.value} recompute"
+    out.append(f"FLOPs   : {fmt_flops(plan.model_flops_per_step)} model FLOPs/step, "
+               f"{fmt_flops(plan.flops_per_step)} executed with {rec_txt} (per step, all ranks)")
+    out.append(f"step    : ~{fmt_seconds(plan.step_time_s)} at MFU {plan.mfu_assumed:.0%} before bubble/recompute "
+               f"-> effective MFU {plan.mfu:.1%}, {fmt_count(lay.global_batch * lay.seq / plan.step_time_s)} tokens/s")
+    if plan.offload_traffic.pcie_bytes or plan.offload_traffic.nvme_bytes:
+        out.append(f"offload : {fmt_bytes(plan.offload_traffic.pcie_bytes)} over PCIe + "
+                   f"{fmt_bytes(plan.offload_traffic.nvme_bytes)} NVMe per step per rank = "
+                   f"{fmt_seconds(plan.offload_time_s)} (not overlapped, included in the step)")
+    out.append(f"ckpt    : write ~{fmt_seconds(plan.checkpoint_write_s)}, job MTBF {fmt_seconds(plan.cluster_mtbf_s)} "
+               f"-> checkpoint every {fmt_seconds(plan.daly_s)} (Daly 2006; Young 1974: "
+               f"{fmt_seconds(plan.young_s)})")
+    if max_model_asked:
+        if max_model is None:
+            out.append("max model: nothing fits with this layout")
+        elif not max_model.bounded:
+            out.append("max model: no device-memory limit with this layout (all model state is offloaded; the "
+                       "host/NVMe capacity is the limit)")
+        else:
+            depth = f" ({max_model.layers} layers)" if max_model.layers is not None else ""
+            out.append(f"max model: {fmt_count(max_model.params)} params{depth} fit in {fmt_bytes(acc.memory_bytes)} "
+                       f"per rank with this layout ({fmt_bytes(max_model.gpu_bytes)} used)")
+    out.append("")
+    rec = plan.recommendation
+    out.append(f"recommendation: tp={rec.tp} pp={rec.pp} dp={rec.dp} zero={rec.zero_stage} "
+               f"sp={'on' if rec.sp else 'off'} recompute={plan.recommended_recompute.value} "
+               f"schedule={rec.schedule.value}")
+    out.append(f"  why: {rec.reason}")
+    for note in plan.notes:
+        out.append(f"  note: {note}")
+    if plan.warnings:
+        out.append("warnings:")
+        out.extend(f"  ! {w}" for w in plan.warnings)
+    else:
+        out.append("warnings: none")
+    return "\n".join(out)
+
+
+def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: bool = False) -> dict[str, Any]:
+    """The JSON object. Keys per issue 2; all bytes are integers per rank."""
+    lay, m, acc, rec = plan.layout, plan.memory, plan.cluster.accelerator, plan.recommendation
+    shape = plan.model.shape
+    model: dict[str, Any] = {"name": plan.model.name, "params": int(plan.model.num_params)}
+    if shape is not None:
+        model.update(arch=shape.arch.value, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+                     kv_heads=shape.kv_heads, ffn=shape.ffn, vocab=shape.vocab, seq=shape.seq,
+                     tie_embeddings=shape.tie_embeddings)
+    out: dict[str, Any] = {
+        "model": model,
+        "cluster": {
+            "gpu": acc.name, "gpus": lay.gpus, "gpus_per_node": plan.cluster.gpus_per_node or acc.gpus_per_node,
+            "nodes": plan.nodes, "memory_bytes": int(acc.memory_bytes),
+            "peak_flops": acc.peak_flops_for(lay.precision),
+        },
+        "layout": {
+            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "sp": lay.sp, "zero_stage": lay.zero_stage,
+            "recompute": lay.recompute.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
+            "micro_batch": lay.micro_batch, "microbatches": lay.microbatches, "global_batch": lay.global_batch,
+            "seq": lay.seq, "optimizer": lay.optimizer.value, "precision": lay.precision.value,
+            "offload_optimizer": lay.offload_optimizer.value, "offload_params": lay.offload_params.value,
+        },
+        "per_rank": {
+            "param_bytes": m.param, "grad_bytes": m.grad, "optimizer_bytes": m.optimizer,
+            "optimizer_parts_bytes": {name: b for name, b in m.optimizer_parts},
+            "model_state_bytes": m.model_state, "activation_bytes": m.activation,
+            "activation_bytes_per_layer": m.activation_per_layer, "temp_bytes": m.temp, "total_bytes": m.total,
+        },
+        "tiers": {"gpu_bytes": m.tiers.gpu, "cpu_bytes": m.tiers.cpu, "nvme_bytes": m.tiers.nvme},
+        "fits": plan.fits,
+        "comm": {
+            "bytes_per_step": plan.comm_bytes_per_step,
+            "time_s_if_not_overlapped": plan.comm_time_s,
+            "collectives": [{"name": c.name, "axis": c.axis, "bytes_per_step": c.bytes_per_step}
+                            for c in plan.collectives],
+        },
+        "pipeline": {"schedule": lay.schedule.value, "stages": lay.pp, "microbatches": lay.microbatches,
+                     "virtual_stages": lay.virtual_stages, "bubble_fraction": plan.bubble},
+        "flops": {"per_step": plan.flops_per_step, "model_per_step": plan.model_flops_per_step,
+                  "step_time_s": plan.step_time_s, "mfu_assumed": plan.mfu_assumed, "mfu_effective": plan.mfu,
+                  "tokens_per_s": lay.global_batch * lay.seq / plan.step_time_s},
+        "offload": {"pcie_bytes_per_step": plan.offload_traffic.pcie_bytes,
+                    "nvme_bytes_per_step": plan.offload_traffic.nvme_bytes, "transfer_s": plan.offload_time_s},
+        "checkpoint": {"write_s": plan.checkpoint_write_s, "mtbf_s": plan.cluster_mtbf_s,
+                       "young_interval_s": plan.young_s, "daly_interval_s": plan.daly_s},
+        "recommendation": {
+            "tp": rec.tp, "pp": rec.pp, "dp": rec.dp, "cp": rec.cp, "zero_stage": rec.zero_stage, "sp": rec.sp,
+            "recompute": plan.recommended_recompute.value, "schedule": rec.schedule.value, "reason": rec.reason,
+            "notes": list(plan.notes), "warnings": list(plan.warnings),
+        },
+    }  # fmt: skip
+    if max_model_asked:
+        out["max_model"] = (None if max_model is None else
+                            {"params": max_model.params, "layers": max_model.layers, "gpu_bytes": max_model.gpu_bytes,
+                             "bounded": max_model.bounded})
+    return out
+
+
+__all__ = ["bar", "bucket_rows", "fmt_bytes", "render_text", "to_dict"]

@@ -1,0 +1,68 @@
+"""Checkpoint interval from write time and mean time between failures.
+
+Torch-free. Seed §16.8 ("Save interval tuning ∝ 1/√MTBF · 실측이 최종"): the first-order optimum is
+Young's; Daly's higher-order refinement is the one to use when the write time is not small against the MTBF.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _check(checkpoint_write_s: float, mtbf_s: float) -> None:
+    if not checkpoint_write_s > 0 or not mtbf_s > 0:
+        raise ValueError(f"checkpoint_write_s={checkpoint_write_s} and mtbf_s={mtbf_s} must be > 0 seconds")
+
+
+def young_interval_s(checkpoint_write_s: float, mtbf_s: float) -> float:
+    """Young's optimal compute time between checkpoints, √(2·δ·M), in seconds.
+
+    Source: Young 1974, "A first order approximation to the optimum checkpoint interval", CACM 17(9), Eq. 3.
+
+    Args:
+        checkpoint_write_s: δ, seconds the job is blocked writing one checkpoint.
+        mtbf_s: M, mean time between failures of the whole job (all nodes), seconds.
+    """
+    _check(checkpoint_write_s, mtbf_s)
+    return math.sqrt(2.0 * checkpoint_write_s * mtbf_s)
+
+
+def daly_interval_s(checkpoint_write_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimal compute time between checkpoints, in seconds.
+
+    Source: Daly 2006, "A higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3),
+    Eq. 37: τ = √(2δM)·[1 + (1/3)·√(δ/(2M)) + (1/9)·(δ/(2M))] − δ for δ < 2M, and τ = M otherwise.
+
+    Args:
+        checkpoint_write_s: δ, seconds the job is blocked writing one checkpoint.
+        mtbf_s: M, mean time between failures of the whole job, seconds.
+    """
+    _check(checkpoint_write_s, mtbf_s)
+    d, m = checkpoint_write_s, mtbf_s
+    if d >= 2.0 * m:
+        return m
+    x = d / (2.0 * m)
+    return math.sqrt(2.0 * d * m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - d
+
+
+def cluster_mtbf_s(node_mtbf_s: float, nodes: int) -> float:
+    """MTBF of a job spanning ``nodes`` nodes with independent exponential failures: node MTBF / nodes.
+
+    Source: the series-system rule for exponential lifetimes (failure rates add), as used in Daly 2006 §2.
+    """
+    if not node_mtbf_s > 0 or nodes < 1:
+        raise ValueError(f"node_mtbf_s={node_mtbf_s} must be > 0 and nodes={nodes} >= 1")
+    return node_mtbf_s / nodes
+
+
+def checkpoint_write_s(bytes_per_node: float, *, write_bytes_per_s: float) -> float:
+    """Seconds to write one sharded checkpoint when every node writes its shards in parallel (seed §15.4).
+
+    Source: sharded save (seed §15.4, "write BW ∝ N"): time = bytes per node / per-node write bandwidth.
+    """
+    if not write_bytes_per_s > 0:
+        raise ValueError(f"write_bytes_per_s={write_bytes_per_s} must be > 0")
+    return bytes_per_node / write_bytes_per_s
+
+
+__all__ = ["checkpoint_write_s", "cluster_mtbf_s", "daly_interval_s", "young_interval_s"]
