@@ -1,4 +1,9 @@
-"""V17 strategies, installed as ``lightning_v17.strategies`` (setuptools package-dir maps this folder there)."""
+"""V17 strategies, installed as ``lightning_v17.strategies`` (setuptools package-dir maps this folder there).
+
+Importing this package registers the aliases "v17", "v17_zero1", "v17_zero2" and "v17_zero3" in Lightning's
+``StrategyRegistry``, so ``Trainer(strategy="v17_zero3")`` works once ``lightning_v17.strategies`` (or
+``lightning_v17.V17Strategy``) has been imported.
+"""
 
 if __name__ != "lightning_v17.strategies":  # pragma: no cover - guards against `import strategies`
     raise ImportError(
@@ -6,4 +11,10 @@ if __name__ != "lightning_v17.strategies":  # pragma: no cover - guards against 
         "install the package (`pip install -e .`) and import it absolutely"
     )
 
-__all__: list[str] = []
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning_v17.strategies.v17 import V17Strategy
+
+if "v17" not in StrategyRegistry:
+    V17Strategy.register_strategies(StrategyRegistry)
+
+__all__: list[str] = ["V17Strategy"]

@@ -52,7 +52,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ini
 
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        # Serialize with torch.save: a torch tensor put on the queue directly travels as a shared-memory handle that
+        # dies with this process, so the parent could fail to read it after the rank exits.
+        import io
+
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -82,7 +88,25 @@ def spawn(
         timeout: seconds before the whole group is killed and the test fails.
         init_process_group: initialize a gloo process group before calling ``fn`` (set False when the worker
             lets Lightning do it).
+
+    A port taken by another process between choosing it and binding it (EADDRINUSE) is retried once with a new one.
     """
+    try:
+        return _spawn_once(fn, world_size=world_size, args=args, timeout=timeout, init_process_group=init_process_group)
+    except AssertionError as err:
+        if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
+            raise
+        return _spawn_once(fn, world_size=world_size, args=args, timeout=timeout, init_process_group=init_process_group)
+
+
+def _spawn_once(
+    fn: Callable[..., Any],
+    *,
+    world_size: int = 2,
+    args: tuple = (),
+    timeout: float = 240.0,
+    init_process_group: bool = True,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -122,4 +146,13 @@ def spawn(
     if missing:
         codes = {r: procs[r].exitcode for r in missing}
         raise AssertionError(f"ranks {missing} gave no result within {timeout}s (exit codes {codes}): hung or crashed")
-    return [results[r] for r in range(world_size)]
+    return [decode_result(results[r]) for r in range(world_size)]
+
+
+def decode_result(payload: bytes) -> Any:
+    """A rank's return value as ``_entry`` serialized it (torch.save bytes)."""
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False)

@@ -1,0 +1,669 @@
+"""ZeRO stages 0-3 as keyword-only, Lightning-free functions (Rajbhandari 2020, "ZeRO", §5; seed §3).
+
+* Stage 0 (DDP semantics): parameters, gradients and optimizer state replicated; gradients are all-reduced over the
+  data-parallel ranks in buckets as backward produces them.
+* Stage 1: as stage 0, but the optimizer is rebuilt over the local dim-0 shard of every parameter (``torch.chunk``
+  semantics over the ``dp_shard`` axis, i.e. DTensor ``Shard(0)``, FSDP2's layout). Full gradients are all-reduced,
+  each rank steps its shard, then the shards are all-gathered back into the full parameters.
+* Stage 2: gradients are reduce-scattered into per-rank shard gradients as backward produces them (post-accumulate-
+  grad hooks, bucketed); the full gradient of a bucket is freed as soon as its reduce-scatter is issued.
+  What stays resident between steps on each rank: the full parameters (replicated), the shard gradients (1/dp_shard
+  of all gradients, plus at most one padding row per parameter), and the optimizer state over the shards. During
+  backward, the full gradients of the buckets still in flight (at most the whole model when communication is slower
+  than backward). During gradient accumulation (``require_grad_sync=False``) the full gradients accumulate locally and
+  stay resident until the last micro-step, which communicates once.
+* Stage 3: FSDP2 ``fully_shard`` per unit (the repeated blocks) plus the residual top-level modules.
+
+Because stages 1, 2 and 3 all use the same dim-0 ``torch.chunk`` partition and the same fully-qualified names (FQNs),
+their optimizer state dicts are interchangeable: stages 1/2 report their shards as ``DTensor``s with ``Shard(0)``
+placements, exactly what FSDP2 reports, so torch.distributed.checkpoint (DCP) can save and reshard all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_v17.config import V17ConfigError
+
+__all__ = [
+    "ZeroEngine",
+    "apply_fsdp",
+    "apply_zero",
+    "chunk_rows",
+    "find_wrap_units",
+    "get_model_state",
+    "get_optimizer_state",
+    "get_state_dicts",
+    "materialize_meta_module",
+    "set_requires_gradient_sync",
+    "set_state_dicts",
+]
+
+
+def chunk_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of dim 0 owned by ``rank`` under ``torch.chunk(dim0, world)`` semantics.
+
+    The chunk size is ``ceil(dim0 / world)``; trailing ranks may own fewer rows or none (the same partition DTensor
+    ``Shard(0)`` and FSDP2 use, so states produced by stages 1, 2 and 3 line up element for element).
+    """
+    size = -(-dim0 // world) if dim0 > 0 else 0
+    start = min(rank * size, dim0)
+    return start, min(start + size, dim0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (a tensor-parallel parameter or gradient), else ``t`` itself.
+
+    ZeRO-0/1/2 partition what this rank holds: with tp > 1 that is the tp shard, and the dp partition is of it.
+    """
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """View ``t`` (or a DTensor's local tensor) as [dim0, rest] (a 0-dim tensor counts as one row)."""
+    t = _local(t)
+    return t.reshape(1, -1) if t.dim() == 0 else t.reshape(t.shape[0], -1)
+
+
+@dataclass
+class _Param:
+    fqn: str
+    param: nn.Parameter
+    rows: int  # dim 0 (1 for a scalar)
+    row_numel: int
+    start: int
+    stop: int
+    padded_rows: int  # ceil(rows / world): the size every rank's segment gets so that collectives have equal sizes
+    shard: nn.Parameter | None = None  # the leaf the optimizer steps (stages 1/2): a view of the local rows
+
+    @property
+    def seg_numel(self) -> int:
+        return self.padded_rows * self.row_numel
+
+
+@dataclass
+class _Bucket:
+    params: list[_Param]
+    seg_numel: int  # elements per rank in the padded [world, seg] layout (stages 1/2)
+    work: Any = None
+    buf: torch.Tensor | None = None  # flat full gradients (stages 0/1) or the [world*seg] reduce-scatter input
+    out: torch.Tensor | None = None  # the [seg] reduce-scatter output (stage 2)
+    ready: set[int] = field(default_factory=set)
+
+
+class ZeroEngine:
+    """Gradient reduction and optimizer sharding for ZeRO stages 0, 1 and 2 over replicated full parameters.
+
+    Args:
+        module: the model; its trainable parameters are reduced (shared parameters once, under their first FQN).
+        stage: 0, 1 or 2.
+        shard_group: process group of the ``dp_shard`` axis (optimizer state and, at stage 2, gradients are
+            partitioned over it).
+        replicate_group: process group of the ``dp_replicate`` axis (HSDP outer axis) or None when its size is 1.
+        shard_mesh: the DeviceMesh used to describe shards as DTensors in state dicts: 1-D ``dp_shard``, or 2-D
+            (``dp_replicate``, ``dp_shard``) for HSDP.
+        bucket_mb: bucket size in MiB (DeepSpeed's ``reduce_bucket_size``).
+        reduce_dtype: dtype of the gradient reduction (None: the gradient's own dtype).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        shard_group: Any,
+        replicate_group: Any = None,
+        shard_mesh: Any = None,
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        if stage not in (0, 1, 2):
+            raise V17ConfigError(f"ZeroEngine handles zero_stage 0, 1 and 2, got {stage}; stage 3 uses apply_fsdp")
+        self.stage = stage
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.shard_mesh = shard_mesh
+        self.reduce_dtype = reduce_dtype
+        self.world = dist.get_world_size(shard_group)
+        self.rank = dist.get_rank(shard_group)
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.dp = self.world * self.replicas
+        #: False during accumulation micro-steps: gradients accumulate locally, nothing is communicated.
+        self.require_grad_sync = True
+        self._callback_queued = False
+        self._next_launch = 0
+
+        seen: set[int] = set()
+        self.params: list[_Param] = []
+        for fqn, p in module.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            r = _rows(p.detach())
+            start, stop = chunk_rows(r.shape[0], self.world, self.rank)
+            padded = -(-r.shape[0] // self.world) if r.shape[0] else 0
+            self.params.append(_Param(fqn, p, r.shape[0], r.shape[1], start, stop, padded))
+        self.by_param = {id(e.param): e for e in self.params}
+        self.by_shard: dict[int, _Param] = {}
+
+        # Buckets in reverse registration order: backward produces the last layers' gradients first (as DDP does).
+        bucket_bytes = bucket_mb * 2**20
+        self.buckets: list[_Bucket] = []
+        cur: list[_Param] = []
+        cur_bytes = 0
+        for e in reversed(self.params):
+            cur.append(e)
+            cur_bytes += e.param.numel() * e.param.element_size()
+            if cur_bytes >= bucket_bytes:
+                self.buckets.append(_Bucket(cur, sum(x.seg_numel for x in cur)))
+                cur, cur_bytes = [], 0
+        if cur:
+            self.buckets.append(_Bucket(cur, sum(x.seg_numel for x in cur)))
+        self.bucket_of = {id(e.param): i for i, b in enumerate(self.buckets) for e in b.params}
+        self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in self.params]
+
+    # ------------------------------------------------------------------ optimizer sharding (stages 1/2)
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Rebuild ``optimizer`` in place over the local dim-0 shards (stage >= 1); returns the same object.
+
+        The optimizer object, its class, its param groups and hyperparameters are kept (LR schedulers still point
+        at it); only each group's ``params`` list is swapped for leaf views of this rank's rows of every parameter,
+        so ``optimizer.step()`` writes the full parameter's local rows in place and :meth:`gather_params` completes
+        them. Works for any ``torch.optim.Optimizer`` whose update is elementwise per parameter (Adam/AdamW/SGD/
+        Lion/...); optimizers that need the whole matrix (Shampoo, Adafactor's factored rows/columns) are not
+        partitioned exactly and must use stage 0 or 3.
+        """
+        if self.stage == 0 or getattr(optimizer, "_v17_zero", None) is self:
+            return optimizer
+        if optimizer.state:
+            raise RuntimeError("shard_optimizer must run before the first optimizer step (the optimizer has state)")
+        for group in optimizer.param_groups:
+            new = []
+            for p in group["params"]:
+                e = self.by_param.get(id(p))
+                if e is None:
+                    raise V17ConfigError(
+                        "the optimizer holds a parameter that is not a trainable parameter of the LightningModule; "
+                        "build optimizers from self.parameters() in configure_optimizers"
+                    )
+                if e.shard is None:
+                    local = _rows(e.param.detach())[e.start : e.stop]
+                    shape = _local(e.param).shape
+                    local = local.view((e.stop - e.start, *shape[1:])) if len(shape) else local.view(-1)
+                    e.shard = nn.Parameter(local, requires_grad=True)  # shares storage with the full parameter
+                    self.by_shard[id(e.shard)] = e
+                new.append(e.shard)
+            group["params"] = new
+        optimizer._v17_zero = self  # type: ignore[attr-defined]
+        # The optimizer now only sees the shards, so its zero_grad would leave the full parameters' gradients (stage
+        # 1 keeps them; stage 2 during accumulation) to leak into the next step. Clear them too.
+        inner_zero_grad = optimizer.zero_grad
+        engine = self
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            inner_zero_grad(set_to_none=set_to_none)
+            for e in engine.params:
+                if e.param.grad is not None:
+                    if set_to_none:
+                        e.param.grad = None
+                    else:
+                        e.param.grad.zero_()
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        return optimizer
+
+    # ------------------------------------------------------------------ gradient reduction
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.require_grad_sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
+        i = self.bucket_of[id(p)]
+        self.buckets[i].ready.add(id(p))
+        # Launch in bucket order only, so every rank issues the same collectives in the same order.
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if len(b.ready) < len(b.params):
+                break
+            self._launch(b)
+            self._next_launch += 1
+
+    def _grad(self, e: _Param) -> torch.Tensor:
+        g = e.param.grad
+        if g is None:  # unused on this rank: contributes zeros (every rank must join every collective)
+            return torch.zeros_like(_local(e.param))
+        return _local(g)
+
+    def _launch(self, b: _Bucket) -> None:
+        dtype = self.reduce_dtype or self._grad(b.params[0]).dtype
+        if self.stage in (0, 1):
+            b.buf = torch.cat([self._grad(e).reshape(-1).to(dtype) for e in b.params])
+            b.buf.div_(self.dp)  # pre-divide: the mean over dp ranks, like DDP
+            b.work = dist.all_reduce(b.buf, group=self._full_group(), async_op=True)
+            return
+        # stage 2: lay every parameter's rows out as [world, padded_rows*row_numel] so rank r's segment holds its rows.
+        buf = torch.zeros(self.world, b.seg_numel, dtype=dtype, device=_local(b.params[0].param).device)
+        off = 0
+        for e in b.params:
+            g = _rows(self._grad(e))
+            if e.rows:
+                padded = torch.zeros(e.padded_rows * self.world, e.row_numel, dtype=dtype, device=g.device)
+                padded[: e.rows].copy_(g)
+                buf[:, off : off + e.seg_numel].copy_(padded.view(self.world, e.seg_numel))
+            off += e.seg_numel
+            e.param.grad = None  # the full gradient is freed now; only the reduced shard is kept
+        buf.div_(self.dp)
+        b.buf = buf.view(-1)
+        b.out = torch.empty(b.seg_numel, dtype=dtype, device=buf.device)
+        b.work = dist.reduce_scatter_tensor(b.out, b.buf, group=self.shard_group, async_op=True)
+
+    def _full_group(self) -> Any:
+        return self._dp_group if hasattr(self, "_dp_group") else self.shard_group
+
+    def set_dp_group(self, group: Any) -> None:
+        """The flattened (dp_replicate x dp_shard) group for stage 0/1 all-reduces (HSDP)."""
+        self._dp_group = group
+
+    def finish_grad_sync(self) -> None:
+        """Run at the end of backward (autograd callback): launch what is left, wait, and install the gradients."""
+        self._callback_queued = False
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        self._next_launch = 0
+        for b in self.buckets:
+            b.work.wait()
+            if self.stage in (0, 1):
+                off = 0
+                for e in b.params:
+                    n = _local(e.param).numel()
+                    flat = b.buf[off : off + n].view_as(_local(e.param))
+                    if e.param.grad is None:
+                        e.param.grad = flat.to(e.param.dtype).clone()
+                    else:
+                        _local(e.param.grad).copy_(flat)
+                    off += n
+                    if self.stage == 1 and e.shard is not None:
+                        local = _rows(e.param.grad)[e.start : e.stop]
+                        e.shard.grad = local.view(e.shard.shape)  # a view: no extra memory
+            else:
+                if self.replicate_group is not None:
+                    dist.all_reduce(b.out, group=self.replicate_group)
+                off = 0
+                for e in b.params:
+                    local = b.out[off : off + (e.stop - e.start) * e.row_numel]
+                    off += e.seg_numel
+                    if e.shard is None:
+                        continue
+                    local = local.view(e.shard.shape).to(e.shard.dtype)
+                    if e.shard.grad is None:
+                        e.shard.grad = local if e.padded_rows == e.stop - e.start else local.clone()
+                    else:
+                        e.shard.grad.add_(local)
+            b.buf = b.out = b.work = None
+            b.ready.clear()
+
+    # ------------------------------------------------------------------ after the step
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """All-gather every rank's updated rows into the full parameters (stages 1/2), bucket by bucket."""
+        if self.stage == 0:
+            return
+        for b in self.buckets:
+            dtype = b.params[0].param.dtype
+            send = torch.zeros(b.seg_numel, dtype=dtype, device=_local(b.params[0].param).device)
+            off = 0
+            for e in b.params:
+                n = (e.stop - e.start) * e.row_numel
+                send[off : off + n].copy_(_rows(e.param.detach())[e.start : e.stop].reshape(-1))
+                off += e.seg_numel
+            recv = torch.empty(self.world * b.seg_numel, dtype=dtype, device=send.device)
+            dist.all_gather_into_tensor(recv, send, group=self.shard_group)
+            recv = recv.view(self.world, b.seg_numel)
+            off = 0
+            for e in b.params:
+                if e.rows:
+                    full = recv[:, off : off + e.seg_numel].reshape(self.world * e.padded_rows, e.row_numel)
+                    _rows(e.param.detach()).copy_(full[: e.rows])
+                off += e.seg_numel
+
+    # ------------------------------------------------------------------ state dicts (FQN keys, DTensor shards)
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """FQN-keyed optimizer state whose per-parameter tensors are ``DTensor``s with ``Shard(0)`` over dp_shard.
+
+        Same layout as ``get_optimizer_state_dict(model, optim)`` returns for an FSDP2 model (stage 3), so DCP can
+        save it and reshard it into any stage and world size.
+        """
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        placements = [Shard(0)] if self.replicas == 1 else [Replicate(), Shard(0)]
+        sd = optimizer.state_dict()
+        idx_to_fqn: dict[int, str] = {}
+        i = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                idx_to_fqn[i] = self.by_shard[id(p)].fqn
+                i += 1
+        state: dict[str, Any] = {}
+        for idx, st in sd["state"].items():
+            fqn = idx_to_fqn[idx]
+            e = next(x for x in self.params if x.fqn == fqn)
+            out = {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape == e.shard.shape:
+                    v = DTensor.from_local(
+                        v, self.shard_mesh, placements, run_check=False, shape=e.param.shape, stride=e.param.stride()
+                    )
+                out[k] = v
+            state[fqn] = out
+        groups = [{**g, "params": [idx_to_fqn[j] for j in g["params"]]} for g in sd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+        """Inverse of :meth:`optimizer_state_dict` (DTensors, or full plain tensors from a stage-0 checkpoint)."""
+        from torch.distributed.tensor import DTensor
+
+        fqn_to_idx: dict[str, int] = {}
+        i = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                fqn_to_idx[self.by_shard[id(p)].fqn] = i
+                i += 1
+        state = {}
+        for fqn, st in osd["state"].items():
+            e = next(x for x in self.params if x.fqn == fqn)
+            out = {}
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    v = v.to_local()
+                elif torch.is_tensor(v) and v.dim() > 0 and v.shape == e.param.shape:
+                    v = _rows(v)[e.start : e.stop].reshape(e.shard.shape)
+                out[k] = v
+            state[fqn_to_idx[fqn]] = out
+        groups = [{**g, "params": [fqn_to_idx[f] for f in g["params"]]} for g in osd["param_groups"]]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def is_tp_sharded(self, p: torch.Tensor) -> bool:
+        """Whether optimizer parameter ``p`` (a shard, or a full parameter at stage 0) is a piece of a DTensor
+        parameter that is *sharded* (not replicated) on some mesh axis, i.e. tensor parallel; for clipping."""
+        e = self.by_shard.get(id(p)) or self.by_param.get(id(p))
+        placements = getattr(e.param, "placements", ()) if e is not None else ()
+        return any(pl.is_shard() or pl.is_partial() for pl in placements)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+# ====================================================================== stage 3 (FSDP2)
+def find_wrap_units(module: nn.Module, wrap_classes: Sequence[str] = ()) -> list[nn.Module]:
+    """The modules that become ZeRO-3 units, outermost first.
+
+    With ``wrap_classes`` (class names), every module of one of those classes (not nested in another match).
+    Otherwise the children of every ``nn.ModuleList``, and of every ``nn.ModuleDict`` whose children share one class
+    (the repeated transformer blocks), as torchtitan and Lightning's docs shard them.
+    """
+    names = set(wrap_classes)
+    units: list[nn.Module] = []
+    taken: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if names:
+                if type(child).__name__ in names:
+                    units.append(child)
+                    continue
+            elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                blocks = list(child.children())
+                repeated = isinstance(child, nn.ModuleList) or len({type(b) for b in blocks}) == 1
+                if repeated and blocks and any(True for _ in child.parameters()):
+                    for b in blocks:
+                        if id(b) not in taken and any(True for _ in b.parameters()):
+                            taken.add(id(b))
+                            units.append(b)
+                    continue
+            visit(child)
+
+    visit(module)
+    if names and not units:
+        raise V17ConfigError(
+            f"wrap_classes={sorted(names)} matched no submodule; use class names of the model's blocks, e.g. "
+            f"{sorted({type(m).__name__ for m in module.modules()})[:8]}"
+        )
+    return units
+
+
+def apply_fsdp(
+    module: nn.Module,
+    *,
+    mesh: Any,
+    reshard_after_forward: bool | None = None,
+    wrap_classes: Sequence[str] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    offload_params: bool = False,
+) -> list[nn.Module]:
+    """ZeRO-3 with FSDP2: ``fully_shard`` each unit, then the residual top-level children as one group.
+
+    The root ``module`` itself (a LightningModule) is not converted: FSDP2 swaps the class of every module it shards,
+    and Lightning inspects the LightningModule's class. Its direct children that own parameters outside the units
+    form one FSDP group (``fully_shard([children...])``).
+
+    Args:
+        module: the model (parameters may be on the meta device: FSDP2 shards meta tensors too).
+        mesh: 1-D ``dp_shard`` mesh, or the 2-D (``dp_replicate``, ``dp_shard``) mesh for HSDP.
+        reshard_after_forward: free each unit's gathered parameters after its forward (None: True).
+        wrap_classes: unit class names (empty: auto-detect repeated blocks).
+        param_dtype: compute dtype (FSDP2 ``MixedPrecisionPolicy.param_dtype``); the sharded fp32 parameter is the
+            master copy.
+        reduce_dtype: gradient reduce-scatter dtype (fp32 for mixed precision).
+        offload_params: keep sharded parameters (and gradients) on CPU (FSDP2 ``CPUOffloadPolicy``).
+
+    Returns:
+        The modules that were sharded (units first, then the residual group members).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    rsf = True if reshard_after_forward is None else bool(reshard_after_forward)
+    kw = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy() if offload_params else OffloadPolicy(),
+    }
+    units = find_wrap_units(module, wrap_classes)
+    for u in units:
+        fully_shard(u, reshard_after_forward=rsf, **kw)
+    unit_ids = {id(u) for u in units}
+    residual = [c for c in module.children() if id(c) not in unit_ids and any(True for _ in c.parameters())]
+    if any(True for _ in module.parameters(recurse=False)):
+        raise V17ConfigError(
+            f"{type(module).__name__} owns parameters directly; zero_stage=3 shards submodules, so move them into a "
+            "submodule (e.g. self.model = ...) or use zero_stage=2"
+        )
+    if len(residual) == 1:
+        fully_shard(residual[0], reshard_after_forward=rsf, **kw)
+    elif residual:
+        fully_shard(residual, reshard_after_forward=rsf, **kw)
+    return units + residual
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@torch.no_grad()
+def materialize_meta_module(module: nn.Module, *, device: torch.device) -> None:
+    """Allocate only the local shards of a meta-initialized (and already sharded) model, then initialize them.
+
+    ``to_empty`` allocates each parameter's local storage (the shard, for FSDP2 DTensors); then the outermost
+    submodules that define ``init_weights()`` re-initialize themselves (torchtitan's convention), and every other
+    module with parameters calls ``reset_parameters()``. The full model is never materialized on one rank.
+
+    Raises:
+        V17ConfigError: if a module with parameters has neither method (its weights would be uninitialized memory).
+    """
+    if not _has_meta(module):
+        return
+    module.to_empty(device=device)
+    covered: set[int] = set()
+    for m in module.modules():
+        if id(m) in covered:
+            continue
+        if callable(getattr(m, "init_weights", None)):
+            m.init_weights()
+            covered.update(id(x) for x in m.modules())
+    missing = set()
+    for m in module.modules():
+        if id(m) in covered or not any(True for _ in m.parameters(recurse=False)):
+            continue
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+        else:
+            missing.add(type(m).__name__)
+    if missing:
+        raise V17ConfigError(
+            f"deferred init (zero_stage=3 builds configure_model on the meta device) cannot initialize "
+            f"{sorted(missing)}: give them reset_parameters() or an init_weights() on an enclosing module, or build "
+            f"the model in __init__ instead of configure_model"
+        )
+
+
+def set_requires_gradient_sync(module: nn.Module, requires: bool) -> None:
+    """FSDP2's ``no_sync``: toggle gradient reduce-scatter on every FSDP module under ``module``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(requires, recurse=False)
+
+
+def apply_zero(
+    module: nn.Module,
+    *,
+    stage: int,
+    mesh: Any,
+    bucket_mb: float = 25.0,
+    reshard_after_forward: bool | None = None,
+    wrap_classes: Sequence[str] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    offload_params: bool = False,
+) -> ZeroEngine | None:
+    """Apply ZeRO ``stage`` to ``module`` over the data-parallel axes of ``mesh`` (a DeviceMesh with axes
+    "dp_replicate", "dp_shard" and the flattened "dp"). Returns the :class:`ZeroEngine` for stages 0-2, None for 3.
+
+    ``param_dtype`` (stages 0-2) is ignored: mixed precision there is autocast (Lightning's precision plugin) over
+    fp32 parameters, which are then the master weights themselves.
+    """
+    replicate = mesh["dp_replicate"].size() > 1
+    shard_mesh = mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
+    if stage == 3:
+        apply_fsdp(
+            module,
+            mesh=shard_mesh,
+            reshard_after_forward=reshard_after_forward,
+            wrap_classes=wrap_classes,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            offload_params=offload_params,
+        )
+        return None
+    engine = ZeroEngine(
+        module,
+        stage=stage,
+        shard_group=mesh["dp_shard"].get_group(),
+        replicate_group=mesh["dp_replicate"].get_group() if replicate else None,
+        shard_mesh=shard_mesh,
+        bucket_mb=bucket_mb,
+        reduce_dtype=reduce_dtype,
+    )
+    engine.set_dp_group(mesh["dp"].get_group())
+    return engine
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, *, group: Any) -> None:
+    """Make every replica start from the first rank's parameters and buffers (DDP's ``_sync_module_states``)."""
+    src = dist.get_global_rank(group, 0)
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    if tensors and dist.get_world_size(group) > 1:
+        dist._broadcast_coalesced(group, [t.data for t in tensors], 250 * 2**20, src)
+
+
+# ====================================================================== state dicts for DCP
+def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+
+
+def get_model_state(module: nn.Module) -> dict[str, Any]:
+    """FQN-keyed model state dict: plain full tensors (stages 0-2) or DTensor shards (stage 3)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
+
+
+def get_optimizer_state(module: nn.Module, optimizer: Any, *, stage: int) -> dict[str, Any]:
+    """FQN-keyed optimizer state dict, initializing empty state (a zero-lr step, as torch's state_dict API does) so
+    that DCP has tensors to load into."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        _init_optim_state,
+        get_optimizer_state_dict,
+    )
+
+    opt = _plain_optimizer(optimizer)
+    engine = getattr(opt, "_v17_zero", None)
+    if engine is not None and stage in (1, 2):
+        _init_optim_state(opt)
+        return engine.optimizer_state_dict(opt)
+    return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=False))
+
+
+def _merge_optim(states: list[dict[str, Any]]) -> dict[str, Any]:
+    return states[0] if len(states) == 1 else {f"optimizer_{i}": s for i, s in enumerate(states)}
+
+
+def get_state_dicts(module: nn.Module, optimizers: Iterable[Any], *, stage: int) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` ready for DCP; the same FQN layout for every stage (so it reshards).
+
+    With several optimizers, ``"optim"`` is ``{"optimizer_0": ..., "optimizer_1": ...}``.
+    """
+    optimizers = list(optimizers)
+    out: dict[str, Any] = {"model": get_model_state(module)}
+    if optimizers:
+        out["optim"] = _merge_optim([get_optimizer_state(module, o, stage=stage) for o in optimizers])
+    return out
+
+
+def set_state_dicts(module: nn.Module, optimizers: Iterable[Any], app_state: dict[str, Any], *, stage: int) -> None:
+    """Load ``app_state`` (as filled in place by ``dcp.load``) into the module and optimizers."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=False)
+    set_model_state_dict(module, app_state["model"], options=opts)
+    optimizers = [_plain_optimizer(o) for o in optimizers]
+    if not optimizers or "optim" not in app_state:
+        return
+    states = (
+        [app_state["optim"]]
+        if len(optimizers) == 1
+        else [app_state["optim"][f"optimizer_{i}"] for i in range(len(optimizers))]
+    )
+    for opt, osd in zip(optimizers, states):
+        engine = getattr(opt, "_v17_zero", None)
+        if engine is not None and stage in (1, 2):
+            engine.load_optimizer_state_dict(opt, osd)
+        else:
+            set_optimizer_state_dict(module, opt, osd, options=opts)

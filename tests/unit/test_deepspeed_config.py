@@ -1,0 +1,166 @@
+"""DeepSpeed JSON -> TrainingPolicy, V17Strategy option parsing and bad-input messages, recompute (no process group)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_v17.config import Precision, Recompute, V17ConfigError, from_deepspeed_config
+
+DS = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 8,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "overlap_comm": True},
+    "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
+             "min_loss_scale": 2},
+}  # fmt: skip
+
+
+def test_maps_the_documented_keys() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every key here is supported: no warning
+        p = from_deepspeed_config(DS)
+    assert p.zero.stage == 2
+    assert p.zero.bucket_mb == pytest.approx(5e7 * 4 / 2**20)
+    assert p.precision == Precision.FP16_MIXED
+    assert p.loss_scale.init_scale == 2.0**12
+    assert p.loss_scale.growth_interval == 500
+    assert p.loss_scale.hysteresis == 3
+    assert p.loss_scale.min_scale == 2.0
+    assert p.gradient_clipping == 1.0
+    assert p.gradient_accumulation_steps == 8
+    assert p.micro_batch_size == 4
+
+
+def test_bf16_and_path(tmp_path) -> None:
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+    p = from_deepspeed_config(str(f))
+    assert p.precision == Precision.BF16_MIXED and p.zero.stage == 3 and p.loss_scale is None
+
+
+def test_auto_values_mean_unset() -> None:
+    p = from_deepspeed_config({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"})
+    assert p.micro_batch_size is None and p.gradient_clipping is None
+
+
+def test_unknown_keys_one_warning_listing_all() -> None:
+    with pytest.warns(UserWarning) as rec:
+        from_deepspeed_config({"zero_optimization": {"stage": 1, "sub_group_size": 1e9}, "optimizer": {"type": "Adam"},
+                               "scheduler": {"type": "WarmupLR"}})  # fmt: skip
+    msgs = [str(w.message) for w in rec if "not supported by lightning-v17" in str(w.message)]
+    assert len(msgs) == 1
+    for key in ("zero_optimization.sub_group_size", "optimizer.type", "scheduler.type"):
+        assert key in msgs[0]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({"zero_optimization": {"stage": 4}}, "zero_stage=4"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both bf16.enabled and fp16.enabled"),
+        ({"fp16": {"enabled": True, "loss_scale": 128}}, "static scale"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"gradient_clipping": -1}, "gradient_clipping"),
+    ],
+)
+def test_bad_config_values(cfg: dict, match: str) -> None:
+    with pytest.raises(V17ConfigError, match=match):
+        from_deepspeed_config(cfg)
+
+
+def test_unreadable_file_names_it(tmp_path) -> None:
+    with pytest.raises(V17ConfigError, match="missing.json"):
+        from_deepspeed_config(str(tmp_path / "missing.json"))
+
+
+# ----------------------------------------------------------------------------------------------- V17Strategy options
+def test_strategy_parses_options_and_config_precedence() -> None:
+    from lightning_v17.strategies import V17Strategy
+
+    s = V17Strategy(zero_stage=2, activation_checkpointing="selective", wrap_classes=["Block"])
+    assert s.policy.zero.stage == 2 and s.policy.recompute == Recompute.SELECTIVE
+    assert s.policy.zero.wrap_classes == ("Block",)
+    # config fills what the constructor left at its default; an explicit non-default argument wins
+    assert V17Strategy(config={"zero_optimization": {"stage": 1}}).zero_stage == 1
+    assert V17Strategy(zero_stage=2, config={"zero_optimization": {"stage": 1}}).zero_stage == 2
+    assert V17Strategy(config=DS).policy.gradient_accumulation_steps == 8
+
+
+def test_strategy_bad_inputs_name_the_option() -> None:
+    from lightning_v17.strategies import V17Strategy
+
+    with pytest.raises(V17ConfigError, match="zero_stage=4"):
+        V17Strategy(zero_stage=4)
+    with pytest.raises(V17ConfigError, match="activation_checkpointing"):
+        V17Strategy(activation_checkpointing="some")
+    with pytest.raises(V17ConfigError, match="dp_shard"):
+        V17Strategy(dp_shard=0)
+    with pytest.raises(V17ConfigError, match="does not equal the world size 2"):
+        V17Strategy(dp_shard=3).resolve_mesh(2)
+    with pytest.raises(V17ConfigError, match="not divisible"):
+        V17Strategy(tp=3).resolve_mesh(2)
+    with pytest.raises(RuntimeError, match="not built yet"):
+        V17Strategy().mesh  # noqa: B018
+    with pytest.raises(V17ConfigError, match="zero_stage=3"):
+        V17Strategy(zero_stage=2, offload_params="cpu")
+
+
+def test_registry_aliases() -> None:
+    import lightning as L
+    import lightning_v17.strategies  # noqa: F401
+
+    for name, stage in (("v17", 3), ("v17_zero1", 1), ("v17_zero2", 2), ("v17_zero3", 3)):
+        t = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+        assert type(t.strategy).__name__ == "V17Strategy" and t.strategy.zero_stage == stage
+
+
+# ----------------------------------------------------------------------------------------------- recompute (1 process)
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.relu(self.fc1(x))))
+
+
+def _grads(mode: str) -> tuple:
+    from lightning_v17.engine.recompute import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ModuleList([_Block(), _Block()]))
+    x = torch.randn(4, 8)
+
+    def fwd(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = m[0](x)
+        for b in m[1]:
+            h = b(h)
+        return h
+
+    units = apply_activation_checkpointing(model, mode=mode)
+    calls = []
+    for b in model[1]:
+        b.fc1.register_forward_hook(lambda *a: calls.append(1))
+    torch.manual_seed(1)
+    loss = fwd(model, x).pow(2).mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return loss.item(), grads, [n for n, _ in model.named_parameters()], units, len(calls)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_same_grads_with_dropout_and_same_fqns(mode: str) -> None:
+    base_loss, base_grads, base_names, _, base_calls = _grads("none")
+    loss, grads, names, units, calls = _grads(mode)
+    assert len(units) == 2
+    assert (base_calls, calls) == (2, 4)  # the blocks really ran again in backward
+    assert names == base_names  # FQNs unchanged (no wrapper module inserted)
+    assert loss == base_loss
+    for a, b in zip(grads, base_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
