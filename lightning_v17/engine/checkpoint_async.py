@@ -1,0 +1,403 @@
+"""Asynchronous sharded saves: the training loop blocks only for staging; publication is collective and atomic.
+
+Protocol (one save, at most one in flight):
+
+1. ``start`` (a synchronous point on every rank): rank 0 clears a stale partial directory, barrier on the main
+   group; then, per component (model, optim), ``torch.distributed.checkpoint.async_save`` stages the state into
+   host memory (pinned on CUDA; a reused buffer) and returns: that copy is all the loop waits for. The write
+   runs in DCP's background thread, and its planning collectives run on a *dedicated gloo group per component*,
+   as the DCP docs recommend, so no background thread ever issues a collective on the main group (and the two
+   components' threads never interleave collectives on one group).
+2. A local finisher thread waits for this rank's writes, then hashes the files this rank wrote.
+3. ``poll`` (called by the callback at batch end, on every rank): while a save is in flight, one all-reduce of
+   ``[not_finished, failed]`` flags on the main group. Only when every rank has finished does ``_finalize`` gather
+   the digests to rank 0, which writes ``trainer_state`` and ``meta.json`` last and renames the directory into
+   place (``checkpoint.publish``). A failure on any rank deletes the partial directory on every rank's behalf and
+   raises; the previous checkpoint is never touched.
+
+Test-only knob: ``V17_CKPT_TEST_WRITE_DELAY_S`` makes the finisher sleep that many seconds before declaring this
+rank's write finished, so a test can kill a rank reliably "during the write".
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from lightning_v17.engine.checkpoint import (
+    COMPONENTS,
+    TRAINER_STATE_FILE,
+    _barrier,
+    _collective_device,
+    _dist_on,
+    _rank_world,
+    _write_bytes_durably,
+    build_meta,
+    file_digest,
+    hash_own_files,
+    prepare_partial,
+    publish,
+)
+
+TEST_DELAY_ENV = "V17_CKPT_TEST_WRITE_DELAY_S"
+
+__all__ = ["AsyncSaveError", "AsyncShardedSaver", "SaveResult"]
+
+
+class AsyncSaveError(RuntimeError):
+    """A background checkpoint write failed on at least one rank; the partial checkpoint was discarded."""
+
+
+@dataclass
+class SaveResult:
+    """What one published asynchronous save cost.
+
+    Attributes:
+        path: the published checkpoint.
+        staging_s: seconds the loop blocked in ``start`` (staging + launching the writes).
+        write_s: seconds from ``start`` until this rank's write and hashing finished.
+        publish_wait_s: seconds ``wait`` blocked for the background write (0 when ``poll`` found it done).
+    """
+
+    path: Path
+    staging_s: float
+    write_s: float
+    publish_wait_s: float = 0.0
+
+
+@dataclass
+class _InFlight:
+    target: Path
+    tmp: Path
+    finisher: Future
+    trainer_state: bytes
+    meta: dict[str, Any]
+    step: Any
+    staging_s: float
+    t_start: float
+    t_done: list[float] = field(default_factory=list)
+    amendments: dict[str, Any] = field(default_factory=dict)
+
+
+class AsyncShardedSaver:
+    """Asynchronous counterpart of :func:`lightning_v17.engine.checkpoint.save_sharded` (same directory format).
+
+    Args:
+        process_group: the main group over which ranks coordinate at synchronous points (``None`` = default
+            group, or a single process without torch.distributed). DCP's own collectives run on dedicated gloo
+            groups created on first use (a collective on ``process_group``'s ranks).
+    """
+
+    def __init__(self, *, process_group: Any = None) -> None:
+        self._pg = process_group
+        self._groups: dict[str, Any] = {}
+        self._stagers: dict[str, Any] = {}
+        self._inflight: _InFlight | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="v17-ckpt-finisher")
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    @property
+    def in_flight_path(self) -> Path | None:
+        return self._inflight.target if self._inflight else None
+
+    # -------------------------------------------------------------------------------------------------------------
+    def _group_for(self, comp: str) -> Any:
+        if not _dist_on():
+            return None
+        if comp not in self._groups:
+            ranks = None if self._pg is None else dist.get_process_group_ranks(self._pg)
+            self._groups[comp] = dist.new_group(ranks=ranks, backend="gloo")
+        return self._groups[comp]
+
+    def _stager_for(self, comp: str) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if comp not in self._stagers:
+            cuda = torch.cuda.is_available()
+            # Synchronous staging: the copy must be complete before the optimizer mutates the weights again.
+            # The stager caches its host buffers, so saves after the first do not allocate.
+            self._stagers[comp] = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                )
+            )
+        return self._stagers[comp]
+
+    # -------------------------------------------------------------------------------------------------------------
+    def start(
+        self,
+        path: str | os.PathLike,
+        *,
+        app_state: dict[str, Any],
+        trainer_state: dict[str, Any],
+        meta: dict[str, Any],
+    ) -> float:
+        """Stage ``app_state`` and launch the background write of ``path``; collective on the main group.
+
+        Returns:
+            Seconds this call blocked (staging plus launching).
+
+        Raises:
+            RuntimeError: a save is still in flight (call :meth:`wait` first: the callback does).
+        """
+        if self._inflight is not None:
+            raise RuntimeError(f"a save of {self._inflight.target} is in flight; call wait() before starting another")
+        t0 = time.perf_counter()
+        target = Path(path).absolute()
+        use_dist = _dist_on()
+        rank, _ = _rank_world(self._pg)
+        tmp = prepare_partial(target, self._pg)
+        futures: list[tuple[str, Future]] = []
+        for comp in COMPONENTS:
+            if comp not in app_state:
+                continue
+            fut = dcp.async_save(
+                app_state[comp],
+                storage_writer=dcp.FileSystemWriter(tmp / comp, sync_files=True),
+                process_group=self._group_for(comp),
+                async_stager=self._stager_for(comp),
+                no_dist=not use_dist,
+            )
+            futures.append((comp, getattr(fut, "upload_completion", fut)))
+        buf = io.BytesIO()
+        if rank == 0:
+            torch.save(trainer_state, buf)  # snapshot now: the loop mutates its state right after we return
+        staging_s = time.perf_counter() - t0
+        delay_s = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
+        finisher = self._pool.submit(self._finish_local, tmp, futures, rank, delay_s)
+        self._inflight = _InFlight(
+            target=target,
+            tmp=tmp,
+            finisher=finisher,
+            trainer_state=buf.getvalue(),
+            meta=dict(meta),
+            step=trainer_state.get("global_step"),
+            staging_s=staging_s,
+            t_start=t0,
+        )
+        finisher.add_done_callback(lambda _f, rec=self._inflight: rec.t_done.append(time.perf_counter()))
+        return staging_s
+
+    @staticmethod
+    def _finish_local(tmp: Path, futures: list[tuple[str, Future]], rank: int, delay_s: float) -> dict:
+        files: dict[str, dict[str, Any]] = {}
+        for comp, fut in futures:
+            fut.result()
+            files.update(hash_own_files(tmp, comp, rank, coordinator=rank == 0))
+        if delay_s > 0:
+            time.sleep(delay_s)
+        return files
+
+    def amend_trainer_state(self, updates: dict[str, Any]) -> None:
+        """Add entries to the in-flight save's ``trainer_state`` (kept on rank 0) before it is published, e.g. the
+        RNG states captured at the next step's start."""
+        if self._inflight is None:
+            raise RuntimeError("no save in flight to amend")
+        self._inflight.amendments.update(updates)
+
+    # -------------------------------------------------------------------------------------------------------------
+    def poll(self) -> SaveResult | None:
+        """If every rank's write has finished, publish and return the result; else ``None``. Collective on the main
+        group (one all-reduce of two flags) while a save is in flight; free otherwise."""
+        rec = self._inflight
+        if rec is None:
+            return None
+        done = rec.finisher.done()
+        failed = done and rec.finisher.exception() is not None
+        if _dist_on():
+            flags = torch.tensor([0 if done else 1, 1 if failed else 0], device=_collective_device(self._pg))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg)
+            running, any_failed = (int(x) for x in flags.tolist())
+        else:
+            running, any_failed = (0 if done else 1), int(failed)
+        if running:
+            return None
+        return self._finalize(bool(any_failed), publish_wait_s=0.0)
+
+    def wait(self) -> SaveResult | None:
+        """Block until this rank's write finished, then publish (collective). Returns ``None`` if nothing in flight."""
+        rec = self._inflight
+        if rec is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            rec.finisher.result()
+            failed = False
+        except BaseException:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException; reported below
+            failed = True
+        waited = time.perf_counter() - t0
+        if _dist_on():
+            flag = torch.tensor([1 if failed else 0], device=_collective_device(self._pg))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+            failed = bool(flag.item())
+        return self._finalize(failed, publish_wait_s=waited)
+
+    def _finalize(self, failed: bool, *, publish_wait_s: float) -> SaveResult:
+        rec = self._inflight
+        assert rec is not None  # internal invariant, not user input
+        self._inflight = None
+        rank, world = _rank_world(self._pg)
+        if failed:
+            local = rec.finisher.exception() if rec.finisher.done() else None
+            _barrier(self._pg)
+            if rank == 0:
+                shutil.rmtree(rec.tmp, ignore_errors=True)
+            _barrier(self._pg)
+            raise AsyncSaveError(
+                f"asynchronous save of {rec.target} failed on at least one rank"
+                + (f" (this rank: {type(local).__name__}: {local})" if local else " (not on this rank)")
+                + "; the partial checkpoint was discarded and the previous one is intact"
+            ) from local
+        files = rec.finisher.result()
+        if _dist_on():
+            gathered: list[Any] | None = [None] * world if rank == 0 else None
+            dist.gather_object(files, gathered, group=self._pg, group_dst=0)
+        else:
+            gathered = [files]
+        if rank == 0:
+            all_files: dict[str, dict[str, Any]] = {}
+            for part in gathered or []:
+                all_files.update(part)
+            state_bytes = rec.trainer_state
+            if rec.amendments:
+                state = torch.load(io.BytesIO(state_bytes), map_location="cpu", weights_only=False)
+                state.update(rec.amendments)
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                state_bytes = buf.getvalue()
+            _write_bytes_durably(rec.tmp / TRAINER_STATE_FILE, state_bytes)
+            all_files[TRAINER_STATE_FILE] = file_digest(rec.tmp / TRAINER_STATE_FILE)
+            components = sorted({k.split("/", 1)[0] for k in all_files if "/" in k}, key=COMPONENTS.index)
+            full = build_meta(rec.meta, world_size=world, components=components, files=all_files, step=rec.step)
+            publish(rec.tmp, rec.target, full)
+        _barrier(self._pg)
+        write_s = (rec.t_done[0] if rec.t_done else time.perf_counter()) - rec.t_start
+        return SaveResult(path=rec.target, staging_s=rec.staging_s, write_s=write_s, publish_wait_s=publish_wait_s)
+
+    def close(self) -> None:
+        """Release staging buffers and the finisher thread. Does not publish: call :meth:`wait` first."""
+        for stager in self._stagers.values():
+            stager.close()
+        self._stagers.clear()
+        self._pool.shutdown(wait=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `latest` pointer, retention, and full-state reading for strategies that keep whole tensors (Lightning "ddp")
+# ----------------------------------------------------------------------------------------------------------------
+LATEST_FILE = "latest"
+
+
+def write_latest(dirpath: str | os.PathLike, name: str) -> None:
+    """Atomically point ``dirpath/latest`` at checkpoint ``name`` (rank 0; after the checkpoint is published)."""
+    from lightning_v17.engine.checkpoint import _fsync_dir
+
+    d = Path(dirpath)
+    tmp = d / f".{LATEST_FILE}.tmp"
+    _write_bytes_durably(tmp, (name + "\n").encode())
+    os.replace(tmp, d / LATEST_FILE)
+    _fsync_dir(d)
+
+
+def complete_checkpoints(dirpath: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Published checkpoints under ``dirpath`` as ``(step, path)`` sorted by step; partial directories (no
+    ``meta.json``, dot-prefixed) are skipped."""
+    import json
+
+    from lightning_v17.engine.checkpoint import FORMAT, META_FILE
+
+    out: list[tuple[int, Path]] = []
+    d = Path(dirpath)
+    if not d.is_dir():
+        return out
+    for p in d.iterdir():
+        if p.name.startswith(".") or not (p / META_FILE).is_file():
+            continue
+        try:
+            meta = json.loads((p / META_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if meta.get("format") == FORMAT:
+            out.append((int(meta.get("step") or 0), p))
+    return sorted(out, key=lambda sp: (sp[0], sp[1].name))
+
+
+def resolve_latest(dirpath: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint: ``latest`` if it names a published one, else the highest-step one found."""
+    from lightning_v17.engine.checkpoint import META_FILE
+
+    d = Path(dirpath)
+    try:
+        name = (d / LATEST_FILE).read_text().strip()
+    except OSError:
+        name = ""
+    if name and (d / name / META_FILE).is_file():
+        return (d / name).absolute()
+    found = complete_checkpoints(d)
+    return found[-1][1].absolute() if found else None
+
+
+def prune(dirpath: str | os.PathLike, *, keep_last: int, keep: Path) -> list[Path]:
+    """Delete published checkpoints beyond the newest ``keep_last`` (never ``keep``), and partial directories of
+    crashed saves older than ``keep`` (rank 0, after publication). Returns what was removed."""
+    from lightning_v17.engine.checkpoint import _PARTIAL_SUFFIX
+
+    removed: list[Path] = []
+    found = complete_checkpoints(dirpath)
+    for _, p in found[: max(0, len(found) - keep_last)]:
+        if p.absolute() != keep.absolute():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    for p in Path(dirpath).glob(f".*{_PARTIAL_SUFFIX}"):
+        if p.name < f".{keep.name}":  # names are step-ordered ("step-00000012"): older crashed saves only
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def fqn_optim_to_torch(osd: dict[str, Any]) -> list[dict[str, Any]]:
+    """FQN-layout optimizer state (``torch.distributed.checkpoint.state_dict``) -> ``torch.optim`` id layout, one per
+    optimizer. Ids follow the order of the params in ``param_groups``, which is how ``Optimizer.state_dict`` numbers
+    them, so no optimizer instance is needed. ``{"optimizer_0": ..., ...}`` holds several optimizers."""
+    if "param_groups" not in osd:
+        return [fqn_optim_to_torch(osd[k])[0] for k in sorted(osd, key=lambda k: int(k.rsplit("_", 1)[1]))]
+    ids: dict[str, int] = {}
+    groups = []
+    for g in osd["param_groups"]:
+        g2 = dict(g)
+        g2["params"] = [ids.setdefault(fqn, len(ids)) for fqn in g["params"]]
+        groups.append(g2)
+    state = {ids[fqn]: s for fqn, s in osd.get("state", {}).items() if fqn in ids}
+    return [{"state": state, "param_groups": groups}]
+
+
+def load_lightning_checkpoint(path: str | os.PathLike, *, process_group: Any = None) -> dict[str, Any]:
+    """A sharded checkpoint as a Lightning checkpoint dict with FULL tensors (``state_dict``, ``optimizer_states``
+    in torch id layout, plus the saved trainer state), for strategies that hold whole tensors (``"ddp"``).
+    Verified first (collective over ``process_group`` when torch.distributed is initialized)."""
+    from lightning_v17.engine.checkpoint import _recover, load_full_state_dict, verify_checkpoint
+
+    target = Path(path).absolute()
+    rank, _ = _rank_world(process_group)
+    if rank == 0:
+        _recover(target)
+    _barrier(process_group)
+    meta = verify_checkpoint(target, process_group=process_group)
+    ckpt = torch.load(target / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+    ckpt["state_dict"] = load_full_state_dict(target, "model", verify=False)
+    if "optim" in meta.get("components", []):
+        ckpt["optimizer_states"] = fqn_optim_to_torch(load_full_state_dict(target, "optim", verify=False))
+    return ckpt
