@@ -6,4 +6,18 @@ if __name__ != "lightning_v17.callbacks":  # pragma: no cover - guards against `
         "install the package (`pip install -e .`) and import it absolutely"
     )
 
-__all__: list[str] = []
+from lightning_v17.callbacks.async_checkpoint import AsyncCheckpoint
+from lightning_v17.callbacks.loss_scaling import DynamicLossScaling, LossScaleError
+from lightning_v17.callbacks.memory import MemoryBuckets
+from lightning_v17.callbacks.straggler import StragglerDetected, StragglerDetector
+from lightning_v17.callbacks.throughput import ThroughputMonitor
+
+__all__: list[str] = [
+    "AsyncCheckpoint",
+    "DynamicLossScaling",
+    "LossScaleError",
+    "MemoryBuckets",
+    "StragglerDetected",
+    "StragglerDetector",
+    "ThroughputMonitor",
+]
