@@ -1,0 +1,296 @@
+"""``PackedDataModule``: any dataset of token-id documents -> packed batches, for any strategy.
+
+Documents (token-id sequences, texts with a tokenizer, or dicts with ``input_ids`` and an SFT ``loss_mask``) are
+planned into rows once per ``setup`` (:func:`lightning_v17.data.packing.pack`, pure Python over lengths only); rows
+are materialized on demand in the DataLoader workers. The train sampler is a :class:`PackedRowSampler`: shuffled by
+(seed, epoch), sharded over the data-parallel ranks the trainer's strategy reports, and resumable: this module's
+``state_dict()`` -- which Lightning stores in every checkpoint -- counts the batches actually trained on (not the
+ones prefetched), and ``load_state_dict`` makes the next epoch iteration start exactly after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lightning_v17.data.packing import (
+    PackedRowSampler,
+    PackingMode,
+    PackingPlan,
+    collate_rows,
+    materialize_row,
+    pack,
+)
+from lightning_v17.data.tokenizer import ByteTokenizer
+
+
+class DocumentSource:
+    """Uniform random access to documents: ids (and optional loss masks) by index, lengths without re-reading.
+
+    Map-style datasets are indexed lazily; iterable ones are read once into memory (packing needs all lengths).
+    """
+
+    def __init__(self, dataset: Any, tokenizer: Callable[[str], Sequence[int]] | None = None) -> None:
+        self.tokenizer = tokenizer
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+            dataset = list(dataset)
+        self.dataset = dataset
+        lengths_fn = getattr(dataset, "lengths", None)
+        if callable(lengths_fn):
+            self.lengths = [int(n) for n in lengths_fn()]
+            self.has_loss_mask = False
+        else:
+            self.lengths = []
+            self.has_loss_mask = False
+            for i in range(len(dataset)):
+                item = dataset[i]
+                self.has_loss_mask |= isinstance(item, Mapping) and "loss_mask" in item
+                self.lengths.append(len(self._ids(item)))
+
+    def _ids(self, item: Any) -> Any:
+        if isinstance(item, Mapping):
+            item = item["input_ids"]
+        if isinstance(item, str | bytes):
+            if self.tokenizer is None:
+                raise ValueError("the dataset yields text but no tokenizer was given; pass tokenizer=ByteTokenizer()")
+            return self.tokenizer(item)
+        return item
+
+    def tokens(self, index: int) -> Any:
+        return self._ids(self.dataset[index])
+
+    def loss_mask(self, index: int) -> Any:
+        item = self.dataset[index]
+        mask = item.get("loss_mask") if isinstance(item, Mapping) else None
+        return torch.ones(self.lengths[index]) if mask is None else mask
+
+
+class PackedRows(Dataset):
+    """Map-style dataset of the rows of a plan: row index -> tensors from :func:`materialize_row`."""
+
+    def __init__(self, source: DocumentSource, plan: PackingPlan, *, pad_id: int) -> None:
+        self.source = source
+        self.plan = plan
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return self.plan.num_rows
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return materialize_row(
+            self.plan.rows[index],
+            self.source.tokens,
+            pad_to=self.plan.seq_len if self.plan.mode.packs else None,
+            pad_id=self.pad_id,
+            loss_mask_of=self.source.loss_mask if self.source.has_loss_mask else None,
+        )
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that Lightning treats as resumable (it has ``state_dict``/``load_state_dict``).
+
+    The position itself is kept by ``state_owner`` (the :class:`PackedDataModule`), which counts the batches actually
+    trained on, so the DataLoader's and Lightning's prefetching never make a resume skip rows.
+    """
+
+    def __init__(self, *args: Any, state_owner: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.state_owner = state_owner
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state_owner.state_dict() if self.state_owner is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.state_owner is not None:
+            self.state_owner.load_state_dict(state_dict)
+
+
+class PackedDataModule(L.LightningDataModule):
+    """Packed train/validation batches from any document dataset (default: the embedded stdlib corpus).
+
+    Batches are dicts: ``input_ids``, ``position_ids``, ``labels``, ``doc_ids`` [B, S], ``cu_seqlens`` (int32),
+    ``max_seqlen`` and, for SFT data, ``loss_mask`` (see ``lightning_v17.data.packing``).
+
+    Args:
+        dataset: training documents: a map-style or iterable dataset of token-id sequences, of texts (with
+            ``tokenizer``), or of dicts ``{"input_ids": ..., "loss_mask": ...}``. None: the stdlib corpus.
+        val_dataset: validation documents, same forms; None: the stdlib corpus's validation split when ``dataset``
+            is None too, else no validation.
+        tokenizer: text -> ids, used when items are text (default: byte-level).
+        seq_len: tokens per row.
+        batch_size: rows per batch per data-parallel rank.
+        packing: ``ffd`` (first-fit decreasing), ``best_fit``, ``bucket`` (no packing; similar lengths batched
+            together) or ``none`` (no packing; padded to the longest row of each batch).
+        shuffle: reshuffle training rows every epoch (seeded by ``seed`` and the epoch).
+        seed: shuffle seed.
+        drop_last: cut each epoch to whole batches on every rank, so all ranks step in lock-step.
+        num_workers: DataLoader worker processes.
+        pin_memory: pin host memory; None: only when CUDA is available.
+        persistent_workers: keep workers alive between epochs (only with ``num_workers > 0``).
+        val_fraction: stdlib corpus: fraction of documents held out for validation.
+        corpus_cache_dir: stdlib corpus: cache directory (default ``~/.cache/lightning_v17``).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset | Iterable | None = None,
+        val_dataset: Dataset | Iterable | None = None,
+        tokenizer: ByteTokenizer | None = None,
+        seq_len: int = 512,
+        batch_size: int = 8,
+        packing: str = "ffd",
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = False,
+        val_fraction: float = 0.05,
+        corpus_cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.mode = PackingMode.parse(packing)
+        if seq_len < 2:
+            raise ValueError(f"seq_len={seq_len} must be >= 2")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0")
+        self.dataset = dataset
+        self.val_dataset = val_dataset
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.persistent_workers = persistent_workers and num_workers > 0
+        self.val_fraction = val_fraction
+        self.corpus_cache_dir = corpus_cache_dir
+        self.train_rows: PackedRows | None = None
+        self.val_rows: PackedRows | None = None
+        self.train_sampler: PackedRowSampler | None = None
+        # Resume bookkeeping: (epoch, groups consumed globally when restored, batches trained on since).
+        self._epoch = 0
+        self._base_consumed = 0
+        self._batches = 0
+        self._pending_state: dict[str, Any] | None = None
+
+    # ---- setup -----------------------------------------------------------------------------------------------------
+    def _rows(self, dataset: Any) -> PackedRows:
+        source = DocumentSource(dataset, self.tokenizer)
+        plan = pack(source.lengths, self.seq_len, mode=self.mode, group_size=self.batch_size)
+        return PackedRows(source, plan, pad_id=self.tokenizer.pad_id)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is not None:
+            return
+        train, val = self.dataset, self.val_dataset
+        if train is None:
+            from lightning_v17.data.corpus import StdlibCorpus
+
+            kw = {
+                "val_fraction": self.val_fraction,
+                "cache_dir": self.corpus_cache_dir,
+                "vocab_size": self.tokenizer.vocab_size,
+            }
+            train = StdlibCorpus("train", **kw)
+            if val is None:
+                val = StdlibCorpus("val", **kw)
+        self.train_rows = self._rows(train)
+        self.val_rows = self._rows(val) if val is not None else None
+
+    def stats(self) -> dict[str, float]:
+        """Rows, chunks, split documents and padding fraction of the training plan."""
+        if self.train_rows is None:
+            self.setup()
+        return self.train_rows.plan.stats(self.batch_size)
+
+    # ---- loaders ---------------------------------------------------------------------------------------------------
+    def _dp(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        kwargs = (getattr(trainer, "distributed_sampler_kwargs", None) or {}) if trainer is not None else {}
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _loader(self, rows: PackedRows, sampler: Any, *, resumable: bool = False) -> DataLoader:
+        return ResumableDataLoader(
+            rows,
+            state_owner=self if resumable else None,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=partial(collate_rows, pad_id=self.tokenizer.pad_id),
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+            drop_last=False,  # the sampler already gives every rank the same number of rows
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_rows is None:
+            self.setup("fit")
+        world, rank = self._dp()
+        self.train_sampler = PackedRowSampler(
+            self.train_rows.plan,
+            num_replicas=world,
+            rank=rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
+        if self._pending_state is not None:
+            self.train_sampler.load_state_dict(self._pending_state)
+            self._pending_state = None
+        return self._loader(self.train_rows, self.train_sampler, resumable=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.train_rows is None:
+            self.setup("validate")
+        if self.val_rows is None:
+            return []
+        world, rank = self._dp()
+        sampler = PackedRowSampler(self.val_rows.plan, num_replicas=world, rank=rank, shuffle=False, drop_last=True)
+        return self._loader(self.val_rows, sampler)
+
+    # ---- resumability ----------------------------------------------------------------------------------------------
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Called by the training loop right before each step (after prefetching): counts batches trained on.
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.training and self.train_sampler is not None:
+            if self.train_sampler.epoch != self._epoch:
+                self._epoch, self._base_consumed, self._batches = self.train_sampler.epoch, 0, 0
+            self._batches += 1
+        return batch
+
+    def _groups_per_batch(self) -> int:
+        group = self.train_rows.plan.group_size if self.train_rows is not None else 1
+        return max(self.batch_size // group, 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The train sampler's position after the batches trained on so far (Lightning saves this in checkpoints)."""
+        if self.train_sampler is None:
+            return dict(self._pending_state or {})
+        world, _ = self._dp()
+        state = self.train_sampler.state_dict()
+        if self.train_sampler.epoch == self._epoch:
+            state["consumed"] = self._base_consumed + self._batches * world * self._groups_per_batch()
+        else:
+            state["consumed"] = 0
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        self._pending_state = dict(state_dict)
+        self._epoch = int(state_dict["epoch"])
+        self._base_consumed = int(state_dict["consumed"])
+        self._batches = 0
+        if self.train_sampler is not None:
+            self.train_sampler.load_state_dict(state_dict)
+            self._pending_state = None

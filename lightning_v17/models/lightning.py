@@ -1,0 +1,158 @@
+"""``LlamaLM``: the reference decoder as a LightningModule, trained on packed batches (``lightning_v17.data``)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lightning_v17.data.packing import IGNORE_INDEX
+from lightning_v17.models.config import ModelConfig
+from lightning_v17.models.llama import Llama
+
+
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over the tokens whose label is not -100 (times ``loss_mask`` if given).
+
+    Args:
+        logits: [B, S, V] (any float dtype; the loss is computed in fp32).
+        labels: [B, S] next-token ids, already shifted within each document (-100: no target).
+        loss_mask: optional [B, S] float weights aligned with ``labels`` (SFT: 0 on prompt targets).
+
+    Returns:
+        (mean loss, number of counted targets as a float tensor).
+    """
+    per_token = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    weight = (labels.reshape(-1) != IGNORE_INDEX).float()
+    if loss_mask is not None:
+        weight = weight * loss_mask.reshape(-1).float()
+    count = weight.sum()
+    return (per_token * weight).sum() / count.clamp_min(1.0), count
+
+
+class LlamaLM(L.LightningModule):
+    """Next-token language modelling with the reference Llama decoder on packed batches.
+
+    The model is built in :meth:`configure_model`, so a strategy can build it on the meta device and materialize
+    only its shards (ZeRO-3); calling it twice is a no-op.
+
+    Args:
+        model: planner preset name (``tiny``, ``llama2-7b``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``).
+        model_overrides: ModelConfig fields to override, e.g. ``{"layers": 2, "dropout": 0.1}``.
+        lr: peak learning rate (AdamW).
+        weight_decay: decoupled weight decay on matrices (norm weights are not decayed).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warm-up steps from 0 to ``lr``.
+        max_steps: length of the cosine decay in optimizer steps; None: the trainer's ``max_steps`` (or its
+            estimated stepping batches when ``max_steps`` is -1).
+        min_lr_ratio: the cosine decays to ``lr * min_lr_ratio``.
+        init_seed: seed of the deterministic weight init (:meth:`Llama.init_weights`).
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        model_overrides: dict[str, Any] | None = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 20,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if lr <= 0:
+            raise ValueError(f"lr={lr} must be positive")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+        self.config = ModelConfig.from_preset(model, **(model_overrides or {}))
+        self.model: Llama | None = None
+        self._last_step_time: float | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = Llama(self.config, init_seed=self.hparams.init_seed)
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Logits [B, S, V] of a packed batch (``input_ids`` and optional ``position_ids``/``cu_seqlens``)."""
+        if self.model is None:
+            self.configure_model()
+        return self.model(
+            batch["input_ids"], batch.get("position_ids"), batch.get("cu_seqlens"), batch.get("max_seqlen")
+        )
+
+    def loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean next-token loss, counted targets) of a packed batch; see :func:`next_token_loss`."""
+        return next_token_loss(self(batch), batch["labels"], batch.get("loss_mask"))
+
+    def _dp_size(self) -> int:
+        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", 1))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss, _count = self.loss(batch)
+        bsz = batch["input_ids"].shape[0]
+        # Real (non-pad) input tokens this step, over all data-parallel ranks (ranks' rows are equally full to <1%).
+        tokens = float((batch["doc_ids"] >= 0).sum()) if "doc_ids" in batch else float(batch["input_ids"].numel())
+        tokens *= self._dp_size()
+        now = time.perf_counter()
+        self.log("train_loss", loss, prog_bar=True, batch_size=bsz)
+        self.log("tokens_per_step", tokens, batch_size=bsz)
+        if self._last_step_time is not None:
+            self.log("tokens_per_s", tokens / max(now - self._last_step_time, 1e-9), prog_bar=True, batch_size=bsz)
+        self._last_step_time = now
+        if "doc_ids" in batch:
+            pad = float((batch["doc_ids"] < 0).sum()) / batch["doc_ids"].numel()
+            self.log("padding_fraction", pad, batch_size=bsz)
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._last_step_time = None
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss, _ = self.loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        self._last_step_time = None  # validation time is not training throughput
+        return loss
+
+    def _total_steps(self) -> int:
+        if self.hparams.max_steps:
+            return int(self.hparams.max_steps)
+        if self.trainer.max_steps and self.trainer.max_steps > 0:
+            return int(self.trainer.max_steps)
+        return int(self.trainer.estimated_stepping_batches)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        if self.model is None:
+            self.configure_model()
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=tuple(self.hparams.betas),
+            eps=self.hparams.eps,
+        )
+        warmup, total, floor = self.hparams.warmup_steps, max(self._total_steps(), 1), self.hparams.min_lr_ratio
+
+        def lr_factor(step: int) -> float:
+            # Linear warm-up, then cosine decay to min_lr_ratio (Loshchilov & Hutter 2017, SGDR without restarts).
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
