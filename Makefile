@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The main job: plan it, then train the tiny Llama on the embedded stdlib corpus with ZeRO-3 on 2 CPU ranks.
+# Resume it with: $(VENV)/bin/v17 fit --config configs/tiny-cpu.yaml --ckpt_path last --trainer.max_steps 400
 run: $(STAMP)
-	$(VENV)/bin/v17 plan --model llama3-70b --gpus 512
 	$(VENV)/bin/v17 plan --model tiny
+	$(VENV)/bin/v17 fit --config configs/tiny-cpu.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
@@ -278,6 +279,9 @@ class V17Strategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        # As Lightning's launchers do: one share of the cores per local rank unless OMP_NUM_THREADS is set, so that
+        # externally launched CPU ranks do not oversubscribe the machine.
+        _set_num_threads_if_needed(num_processes=self.num_processes)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
