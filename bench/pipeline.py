@@ -1,0 +1,272 @@
+"""Pipeline parallelism side by side: every schedule at pp=2, m in {4, 8}, measured bubble vs the planner, tokens/s,
+and V17's pp=2 1F1B path against raw ``torch.distributed.pipelining`` (same schedule, model, data), one invocation.
+
+Model: the reference Llama (``lightning_v17.models``), 8 blocks, hidden 256, 8 heads, ffn 768, vocab 512, seq 128,
+fp32, one intra-op thread per rank, 2 gloo ranks on CPU. Each step feeds m micro-batches of 2 rows (one document
+per row). Every configuration builds its stages from the same seed; ``--warmup`` steps are excluded.
+
+Measurement: every configuration at one m (the five schedules and raw torch 1F1B) is built once, warmed up, then
+their timed iterations are interleaved step by step (A B C ... A B C ...), so load from other processes hits all of
+them alike. Each iteration is zero_grad, a barrier, the schedule step, a barrier (``schedule_s``: the wall clock of
+the slowest rank, i.e. the pipeline's real step), the optimizer step, a barrier (``iter_s``, used for tokens/s). Busy time is what the engine's ``BubbleTimer`` records on each rank (stage forward,
+backward, weight-backward and loss compute). Reported per configuration (median over ranks x timed steps, robust to
+a step disturbed by other processes on the machine):
+
+* ``bubble_measured`` = idle / busy = step / busy - 1 (Narayanan 2021 §2.2's definition, the one the planner's
+  ``bubble_fraction`` predicts: (p-1)/m for GPipe and 1F1B);
+* ``idle_fraction`` = idle / step;
+* ``bubble_planner`` from ``lightning_v17.planner.pipeline.bubble_fraction``;
+* ``tokens_per_s`` = tokens per iteration / median iteration time (optimizer step included).
+
+Targets checked and printed under ``"checks"``: GPipe/1F1B measured bubble within ±25% of (p-1)/m; zero_bubble's
+below 1F1B's at equal m; V17 1F1B tokens/s / raw torch.distributed.pipelining 1F1B tokens/s >= 0.95.
+
+Usage::
+
+    .venv/bin/python bench/pipeline.py                  # prints one JSON object
+    .venv/bin/python bench/pipeline.py --steps 6 --warmup 2 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2)]
+MODEL = {"vocab_size": 512, "hidden": 256, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 768, "max_seq_len": 128}
+SEQ = 128
+ROWS_PER_MICROBATCH = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch(m: int, step: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    rows = m * ROWS_PER_MICROBATCH
+    tokens = torch.randint(0, MODEL["vocab_size"], (rows, SEQ), generator=g)
+    labels = torch.cat([tokens[:, 1:], torch.full((rows, 1), -100)], dim=1)
+    return {"input_ids": tokens, "labels": labels, "position_ids": torch.arange(SEQ).expand(rows, SEQ).contiguous()}
+
+
+class _Runner:
+    """One pipeline configuration on this rank: ``zero_grad`` + ``schedule`` + ``optimizer.step`` per iteration."""
+
+    def __init__(self, schedule_step, opt, busy_of) -> None:
+        self.schedule_step, self.opt, self.busy_of = schedule_step, opt, busy_of
+        self.sched_s: list[float] = []  # barrier-bracketed schedule step: forward + backward of all micro-batches
+        self.iter_s: list[float] = []  # the whole iteration, optimizer step included (for tokens/s)
+        self.busy: list[float] = []
+
+    def iteration(self, i: int, *, record: bool) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        b0 = self.busy_of()
+        t1 = time.perf_counter()
+        self.schedule_step(i)
+        dist.barrier()
+        t2 = time.perf_counter()
+        b1 = self.busy_of()
+        self.opt.step()
+        dist.barrier()
+        t3 = time.perf_counter()
+        if record:
+            self.sched_s.append(t2 - t1)
+            self.busy.append(b1 - b0)
+            self.iter_s.append(t3 - t0)
+
+    def result(self) -> dict[str, list[float]]:
+        return {"sched_s": self.sched_s, "iter_s": self.iter_s, "busy": self.busy}
+
+
+def _v17(rank: int, schedule: str, v: int, m: int, base) -> _Runner:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_v17.config import PipelinePolicy
+    from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+
+    pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
+    policy = PipelinePolicy(schedule=schedule, microbatches=m, virtual_stages=v)
+    model = copy.deepcopy(base)
+    views, ids = split_model(model, pp_rank=rank, pp=2, policy=policy)
+    rt = build_schedule(views, stage_ids=ids, pp_mesh=pp_mesh, policy=policy, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return _Runner(lambda i: pipeline_step(rt, _batch(m, i)), opt, lambda: rt.timer.busy_s + rt.loss_fn.busy_s)
+
+
+def _raw_1f1b(rank: int, m: int, base) -> _Runner:
+    """Plain torch.distributed.pipelining, written as its tutorial / torchtitan do: deep-copy the model, delete what
+    the stage does not own, PipelineStage + Schedule1F1B with a mean cross-entropy loss (scale_grads=True)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage_mod = copy.deepcopy(base)
+    keep = range(4) if rank == 0 else range(4, 8)
+    for k in list(stage_mod.layers.keys()):
+        if int(k) not in keep:
+            del stage_mod.layers[k]
+    if rank == 0:
+        stage_mod.norm = None
+        stage_mod.output = None
+    else:
+        stage_mod.tok_embeddings = None
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"), group=dist.group.WORLD)
+    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4)
+
+    def step(i: int) -> None:
+        b = _batch(m, i)
+        args = (b["input_ids"],) if rank == 0 else ()
+        sched.step(*args, target=b["labels"], losses=[], return_outputs=False, position_ids=b["position_ids"])
+
+    return _Runner(step, opt, lambda: 0.0)
+
+
+def _run_group(runners: dict[str, _Runner], *, warmup: int, steps: int) -> None:
+    """Warm every runner up, then interleave their timed iterations step by step (A B C A B C ...), so a change in
+    the machine's load hits all of them alike."""
+    for r in runners.values():
+        for i in range(warmup):
+            r.iteration(i, record=False)
+    for i in range(steps):
+        for r in runners.values():
+            r.iteration(warmup + i, record=True)
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from lightning_v17.models import Llama, ModelConfig
+
+        torch.manual_seed(0)
+        base = Llama(ModelConfig(**MODEL))
+        out: dict[str, dict[str, list[float]]] = {}
+        for _ in range(args.rounds):
+            for m in (4, 8):
+                # all schedules at one m, plus the raw torch 1F1B, interleaved step by step
+                runners = {f"{s}/m{m}": _v17(rank, s, v, m, base) for s, v in SCHEDULES}
+                runners[f"raw_1f1b/m{m}"] = _raw_1f1b(rank, m, base)
+                _run_group(runners, warmup=args.warmup, steps=args.steps)
+                for key, r in runners.items():
+                    acc = out.setdefault(key, {"sched_s": [], "iter_s": [], "busy": []})
+                    for k, vals in r.result().items():
+                        acc[k] += vals
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration and round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (stage init, allocator)")
+    parser.add_argument("--rounds", type=int, default=1, help="repetitions of the whole measurement")
+    parser.add_argument("--json-out", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch.multiprocessing as mp
+
+    from lightning_v17.planner.pipeline import bubble_fraction
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(2)]
+    t0 = time.time()
+    for p in procs:
+        p.start()
+    per_rank = dict(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    results: dict[str, Any] = {}
+    for key in per_rank[0]:
+        name, m = key.split("/m")
+        m = int(m)
+        iter_s = statistics.median(per_rank[0][key]["iter_s"])  # barrier-bracketed: equal on both ranks
+        entry: dict[str, Any] = {
+            "m": m,
+            "iter_s": iter_s,
+            "schedule_s": statistics.median(per_rank[0][key]["sched_s"]),
+            "tokens_per_s": m * ROWS_PER_MICROBATCH * SEQ / iter_s,
+        }
+        if name != "raw_1f1b":
+            v = dict(SCHEDULES)[name]
+            pairs = [(t, b) for r in (0, 1) for t, b in zip(per_rank[r][key]["sched_s"], per_rank[r][key]["busy"])]
+            entry.update(
+                virtual_stages=v,
+                bubble_measured=statistics.median(t / b - 1 for t, b in pairs),
+                idle_fraction=statistics.median(1 - b / t for t, b in pairs),
+                bubble_planner=bubble_fraction(name, pp=2, microbatches=m, virtual_stages=v),
+                busy_s_per_rank=[statistics.median(per_rank[r][key]["busy"]) for r in (0, 1)],
+            )
+        results[key] = entry
+    checks: dict[str, Any] = {}
+    for m in (4, 8):
+        ideal = (2 - 1) / m
+        for s in ("gpipe", "1f1b"):
+            got = results[f"{s}/m{m}"]["bubble_measured"]
+            checks[f"{s}/m{m}: bubble within 25% of (p-1)/m={ideal:.3f}"] = {
+                "measured": round(got, 4),
+                "rel_err": round(abs(got - ideal) / ideal, 3),
+                "ok": abs(got - ideal) <= 0.25 * ideal,
+            }
+        zb, ob = results[f"zero_bubble/m{m}"]["bubble_measured"], results[f"1f1b/m{m}"]["bubble_measured"]
+        checks[f"m{m}: zero_bubble bubble < 1f1b bubble"] = {
+            "zero_bubble": round(zb, 4),
+            "1f1b": round(ob, 4),
+            "ok": zb < ob,
+        }
+        ratio = results[f"1f1b/m{m}"]["tokens_per_s"] / results[f"raw_1f1b/m{m}"]["tokens_per_s"]
+        checks[f"m{m}: v17 1f1b / raw torch.distributed.pipelining 1f1b tokens/s >= 0.95"] = {
+            "ratio": round(ratio, 3),
+            "ok": ratio >= 0.95,
+        }
+    report = {
+        "bench": "pipeline",
+        "pp": 2,
+        "model": {**MODEL, "seq": SEQ, "rows_per_microbatch": ROWS_PER_MICROBATCH, "dtype": "fp32"},
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "results": results,
+        "checks": checks,
+        "wall_s": round(time.time() - t0, 1),
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
