@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU checks for one lent CUDA machine (DESIGN.md "GPU checks"). Runs in well under 8 minutes on one GPU and prints
+# one JSON summary on its last line. Run it through the `device` tool as one command:
+#   bash bench/gpu_check.sh
+# It installs the pinned stack into a fresh venv when one is not there (the machine starts bare).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && \
+  .venv/bin/pip install -q --no-build-isolation deepspeed==0.19.8 && .venv/bin/pip install -q -e '.[test]' || exit 1
+fi
+.venv/bin/pip install -q flash-attn --no-build-isolation >/dev/null 2>&1 || echo "flash-attn not installable here" >&2
+.venv/bin/pip install -q 'transformer-engine[pytorch]' >/dev/null 2>&1 || echo "transformer-engine not installable here" >&2
+log=$(mktemp)
+timeout 420 .venv/bin/python -m pytest -q tests/gpu -rs --junitxml="$log.xml" >"$log" 2>&1
+rc=$?
+tail -n 30 "$log" >&2
+.venv/bin/python - "$log.xml" "$rc" "$start" <<'PY'
+import json, sys, time, xml.etree.ElementTree as ET
+path, rc, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    suite = ET.parse(path).getroot().iter("testsuite").__next__()
+    summary = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    cases = {c.get("name"): ("skipped" if c.find("skipped") is not None else
+                             "failed" if c.find("failure") is not None or c.find("error") is not None else "passed")
+             for c in suite.iter("testcase")}
+except Exception as e:  # noqa: BLE001
+    summary, cases = {"error": repr(e)}, {}
+print(json.dumps({"gpu_check": summary, "cases": cases, "pytest_rc": rc, "seconds": int(time.time()) - start}))
+PY
