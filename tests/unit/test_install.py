@@ -61,3 +61,12 @@ def test_every_subpackage_is_listed_in_pyproject():
             found.add(".".join([pkg, *rel.parts]) if rel.parts else pkg)
     # a sub-folder mapped by its own package-dir entry is found twice (once under its parent); that is fine
     assert found - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {found - listed}"
+
+
+def test_make_test_collects_the_distributed_tests():
+    """pytest's default norecursedirs contains "dist"; pyproject overrides it so tests/dist runs in `make test`."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "tests"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )
+    assert "tests/dist/test_zero_parity.py" in r.stdout, r.stdout[-2000:]
