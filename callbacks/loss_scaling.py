@@ -77,19 +77,9 @@ class DynamicLossScaling(Callback):
             growth_interval=growth_interval,
             hysteresis=hysteresis,
             min_scale=min_scale,
+            max_consecutive_skips=max_consecutive_skips,
         )
-        try:
-            self.tracker = LossScaleTracker(
-                init_scale=init_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                max_consecutive_skips=max_consecutive_skips,
-            )
-        except ValueError as err:
-            raise V17ConfigError(f"DynamicLossScaling: {err}") from err
+        self.tracker = LossScaleTracker(self.policy)
         self.log_metrics = log
         self.active = False
         self.scaler: ShardedLossScaler | None = None

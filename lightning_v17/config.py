@@ -338,6 +338,7 @@ class LossScalePolicy:
         growth_interval: overflow-free steps before growing (DeepSpeed's loss_scale_window).
         hysteresis: overflows tolerated before backing off (DeepSpeed's hysteresis).
         min_scale: smallest scale; falling below it is an error (the model diverged).
+        max_consecutive_skips: this many overflowing steps in a row is an error (the loop must not spin forever).
     """
 
     init_scale: float = 2.0**16
@@ -346,6 +347,7 @@ class LossScalePolicy:
     growth_interval: int = 2000
     hysteresis: int = 1
     min_scale: float = 1.0
+    max_consecutive_skips: int = 50
 
     def __post_init__(self) -> None:
         if not (self.init_scale > 0 and math.isfinite(self.init_scale)):
@@ -356,6 +358,9 @@ class LossScalePolicy:
             raise V17ConfigError(f"backoff_factor={self.backoff_factor} must be in (0, 1)")
         _check_positive_int("growth_interval", self.growth_interval)
         _check_positive_int("hysteresis", self.hysteresis)
+        _check_positive_int("max_consecutive_skips", self.max_consecutive_skips)
+        if not 0.0 < self.min_scale <= self.init_scale:
+            raise V17ConfigError(f"min_scale={self.min_scale} must be in (0, init_scale={self.init_scale}]")
 
 
 @dataclass(frozen=True)

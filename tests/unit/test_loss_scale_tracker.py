@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_v17.config import LossScalePolicy
 from lightning_v17.engine.trackers.loss_scale import LossScaleError, LossScaleTracker, ShardedLossScaler
 
 
 def test_seed_algorithm_up_skip_down():
-    t = LossScaleTracker(init_scale=8.0, growth_interval=2)
+    t = LossScaleTracker(LossScalePolicy(init_scale=8.0, growth_interval=2))
     found = [False, False, True, False, True, True, False, False]
     applied = [t.update(f) for f in found]
     # by hand: 8 -> (n_ok 1) 8 -> (n_ok 2: grow) 16 -> skip 8 -> 8 -> skip 4 -> skip 2 -> 2 -> (n_ok 2) 4
@@ -23,7 +24,7 @@ def test_seed_algorithm_up_skip_down():
 
 
 def test_hysteresis_backs_off_every_second_overflow():
-    t = LossScaleTracker(init_scale=8.0, growth_interval=100, hysteresis=2)
+    t = LossScaleTracker(LossScalePolicy(init_scale=8.0, growth_interval=100, hysteresis=2))
     scales = []
     for f in [True, True, True, False, True]:
         t.update(f)
@@ -34,7 +35,7 @@ def test_hysteresis_backs_off_every_second_overflow():
 
 
 def test_collapse_below_min_scale_raises_with_cause():
-    t = LossScaleTracker(init_scale=4.0, min_scale=1.0, max_consecutive_skips=100)
+    t = LossScaleTracker(LossScalePolicy(init_scale=4.0, min_scale=1.0, max_consecutive_skips=100))
     t.update(True)
     t.update(True)
     assert t.scale == 1.0
@@ -43,7 +44,7 @@ def test_collapse_below_min_scale_raises_with_cause():
 
 
 def test_max_consecutive_skips_raises_and_clean_step_resets_the_count():
-    t = LossScaleTracker(init_scale=2.0**16, max_consecutive_skips=3)
+    t = LossScaleTracker(LossScalePolicy(init_scale=2.0**16, max_consecutive_skips=3))
     t.update(True)
     t.update(True)
     t.update(False)  # resets the consecutive count
@@ -54,10 +55,10 @@ def test_max_consecutive_skips_raises_and_clean_step_resets_the_count():
 
 
 def test_state_dict_round_trip_and_missing_keys():
-    t = LossScaleTracker(init_scale=32.0, growth_interval=3)
+    t = LossScaleTracker(LossScalePolicy(init_scale=32.0, growth_interval=3))
     for f in [False, True, False, False]:
         t.update(f)
-    u = LossScaleTracker(init_scale=32.0, growth_interval=3)
+    u = LossScaleTracker(LossScalePolicy(init_scale=32.0, growth_interval=3))
     u.load_state_dict(t.state_dict())
     assert u.state_dict() == t.state_dict()
     for f in [False, True]:
@@ -80,7 +81,7 @@ def test_state_dict_round_trip_and_missing_keys():
 )
 def test_invalid_options_are_named(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
-        LossScaleTracker(**kwargs)
+        LossScaleTracker(LossScalePolicy(**kwargs))
 
 
 def _model_and_batch():
@@ -98,7 +99,7 @@ def test_scaler_unscales_exactly_before_clipping_and_steps():
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1e9)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = ShardedLossScaler(LossScaleTracker(init_scale=2.0**10))
+    scaler = ShardedLossScaler(LossScaleTracker(LossScalePolicy(init_scale=2.0**10)))
     scaler.scale(model(x).pow(2).mean()).backward()
     scaler.unscale_(opt)
     # a power-of-two scale is exact in fp32; tolerance 1e-6 relative covers summation order only
@@ -120,7 +121,7 @@ def test_scaler_skips_on_inf_and_backs_off():
     model, x = _model_and_batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     skipped = []
-    scaler = ShardedLossScaler(LossScaleTracker(init_scale=2.0**10), on_skip=lambda: skipped.append(True))
+    scaler = ShardedLossScaler(LossScaleTracker(LossScalePolicy(init_scale=2.0**10)), on_skip=lambda: skipped.append(True))
     scaler.scale(model(x).pow(2).mean()).backward()
     model[2].bias.grad[1] = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
@@ -134,7 +135,7 @@ def test_scaler_skips_on_inf_and_backs_off():
 def test_scaler_error_names_nonfinite_loss():
     model, x = _model_and_batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = ShardedLossScaler(LossScaleTracker(init_scale=4.0, max_consecutive_skips=2))
+    scaler = ShardedLossScaler(LossScaleTracker(LossScalePolicy(init_scale=4.0, max_consecutive_skips=2)))
     with pytest.raises(LossScaleError, match="loss itself is NaN"):
         for _ in range(3):
             opt.zero_grad()

@@ -24,13 +24,14 @@ Two pieces, both Lightning-free:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_v17.config import LossScalePolicy
 
 __all__ = ["LossScaleError", "LossScaleTracker", "ShardedLossScaler", "optimizer_grads"]
 
@@ -44,39 +45,16 @@ class LossScaleTracker:
     """The seed §13.2 dynamic loss-scale state machine (pure Python, no tensors).
 
     Args:
-        init_scale: starting scale S.
-        growth_factor: S <- S * growth_factor after ``growth_interval`` consecutive overflow-free steps.
-        backoff_factor: S <- S * backoff_factor on an overflow (after ``hysteresis`` overflows).
-        growth_interval: overflow-free steps before the scale grows.
-        hysteresis: overflows tolerated before backing off (DeepSpeed's ``hysteresis``); 1 = back off on every one.
-        min_scale: the smallest allowed scale; backing off below it raises :class:`LossScaleError`.
-        max_consecutive_skips: this many skipped steps in a row raises :class:`LossScaleError`.
+        policy: the options (init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+            max_consecutive_skips), validated once by :class:`lightning_v17.config.LossScalePolicy`.
     """
 
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: float = 1.0
-    max_consecutive_skips: int = 50
+    policy: LossScalePolicy = field(default_factory=LossScalePolicy)
 
     def __post_init__(self) -> None:
-        if not (self.init_scale > 0 and math.isfinite(self.init_scale)):
-            raise ValueError(f"init_scale={self.init_scale} must be a finite positive number")
-        if self.growth_factor <= 1.0:
-            raise ValueError(f"growth_factor={self.growth_factor} must be > 1")
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor={self.backoff_factor} must be in (0, 1)")
-        for name in ("growth_interval", "hysteresis", "max_consecutive_skips"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if not 0.0 < self.min_scale <= self.init_scale:
-            raise ValueError(f"min_scale={self.min_scale} must be in (0, init_scale={self.init_scale}]")
-        self.scale: float = float(self.init_scale)
+        self.scale: float = float(self.policy.init_scale)
         self.good_steps = 0  # n_ok of the seed: overflow-free steps since the last growth/backoff
-        self.hysteresis_left = self.hysteresis
+        self.hysteresis_left = self.policy.hysteresis
         self.total_steps = 0  # optimizer steps attempted (applied + skipped)
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -103,29 +81,29 @@ class LossScaleTracker:
         if not found_inf:
             self.consecutive_skips = 0
             self.good_steps += 1
-            if self.good_steps == self.growth_interval:
-                self.scale *= self.growth_factor
+            if self.good_steps == self.policy.growth_interval:
+                self.scale *= self.policy.growth_factor
                 self.good_steps = 0
-                self.hysteresis_left = self.hysteresis
+                self.hysteresis_left = self.policy.hysteresis
             return True
         self.skipped_steps += 1
         self.consecutive_skips += 1
         self.good_steps = 0
         self.hysteresis_left -= 1
         if self.hysteresis_left <= 0:
-            new_scale = self.scale * self.backoff_factor
-            if new_scale < self.min_scale:
+            new_scale = self.scale * self.policy.backoff_factor
+            if new_scale < self.policy.min_scale:
                 raise LossScaleError(
                     f"loss scale collapsed: backing off {self.scale:g} -> {new_scale:g} would fall below "
-                    f"min_scale={self.min_scale:g} after {self.consecutive_skips} consecutive overflowing steps. "
+                    f"min_scale={self.policy.min_scale:g} after {self.consecutive_skips} consecutive overflowing steps. "
                     + (cause() if cause else "")
                 )
             self.scale = new_scale
-            self.hysteresis_left = self.hysteresis
-        if self.consecutive_skips >= self.max_consecutive_skips:
+            self.hysteresis_left = self.policy.hysteresis
+        if self.consecutive_skips >= self.policy.max_consecutive_skips:
             raise LossScaleError(
                 f"{self.consecutive_skips} consecutive optimizer steps were skipped for inf/NaN gradients "
-                f"(max_consecutive_skips={self.max_consecutive_skips}; scale now {self.scale:g}). "
+                f"(max_consecutive_skips={self.policy.max_consecutive_skips}; scale now {self.scale:g}). "
                 + (cause() if cause else "")
             )
         return False
@@ -146,7 +124,7 @@ class LossScaleTracker:
             raise KeyError(f"loss-scale state is missing {sorted(missing)}; is this a DynamicLossScaling checkpoint?")
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
-        self.hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
+        self.hysteresis_left = int(state.get("hysteresis_left", self.policy.hysteresis))
         self.total_steps = int(state["total_steps"])
         self.skipped_steps = int(state["skipped_steps"])
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
