@@ -93,7 +93,11 @@ class V17Strategy(ParallelStrategy):
         zero_stage: 0 = DDP (all replicated), 1 = optimizer state sharded, 2 = + gradients sharded,
             3 = + parameters sharded (FSDP2 ``fully_shard``).
         tp: tensor-parallel size (innermost mesh axis); needs ``lightning_v17.engine.tensor_parallel``.
-        pp: pipeline-parallel stages (outermost mesh axis); needs ``lightning_v17.engine.pipeline``.
+        pp: pipeline-parallel stages (outermost mesh axis); needs ``lightning_v17.engine.pipeline``. With pp > 1 the
+            schedule runs forward and backward inside ``training_step`` (the LightningModule's ``training_step`` /
+            ``validation_step`` are not called; the strategy logs ``train_loss``, ``val_loss``,
+            ``pipeline/bubble_fraction`` and ``pipeline/bubble_planned``), batches must be packed dicts, automatic
+            optimization is required and only zero_stage 0/1 compose with it (seed §17.5).
         dp_replicate: replicated data-parallel groups (HSDP outer axis). With ``dp_shard`` > 1 this is HSDP.
         dp_shard: ranks over which ZeRO partitions; "auto" = world size / (pp * dp_replicate * cp * tp).
         cp: context-parallel size (reserved; must be 1).
@@ -101,7 +105,7 @@ class V17Strategy(ParallelStrategy):
         activation_checkpointing: "none", "selective" (save matmul outputs, recompute the rest) or "full"
             (recompute each block).
         pp_schedule: pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" or "zbv".
-        microbatches: pipeline micro-batches per optimizer step.
+        microbatches: pipeline micro-batches per optimizer step; the per-rank batch size must be a multiple of it.
         virtual_stages: model chunks per pipeline rank (interleaved / zero-bubble schedules).
         offload_optimizer: where optimizer state lives: "none", "cpu" or "nvme".
         offload_params: where sharded parameters live between uses (stage 3): "none", "cpu" or "nvme".
@@ -201,6 +205,10 @@ class V17Strategy(ParallelStrategy):
             raise V17ConfigError("offload_params='cpu' shards parameters to CPU and needs zero_stage=3")
         # Validate the fixed axis sizes now (a typo fails at construction, not after the processes started).
         MeshSpec(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)
+        if pp > 1:  # seed §17.5: PP composes with ZeRO-0/1 only (the engine explains why)
+            from lightning_v17.engine.pipeline import check_pipeline_composition
+
+            check_pipeline_composition(pp=pp, zero_stage=self.policy.zero.stage)
         if not (dp_shard in ("auto", -1) or (isinstance(dp_shard, int) and dp_shard >= 1)):
             raise V17ConfigError(f"dp_shard={dp_shard!r} must be a positive integer or 'auto'")
         self._axes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
@@ -209,7 +217,6 @@ class V17Strategy(ParallelStrategy):
         self._mesh: MeshRuntime | UnsetMesh = UnsetMesh()
         self._engine: zero_engine.ZeroEngine | None = None
         self._pipeline: Any = None  # set by the pipeline engine when pp > 1 (it runs forward and backward itself)
-        self._skip_zero_grad: set[int] = set()
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ registry
@@ -328,6 +335,8 @@ class V17Strategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        if self.mesh.spec.pp > 1:
+            self._check_pipeline_trainer(trainer)
         if self.policy.gradient_clipping is not None and trainer.gradient_clip_val is None:
             trainer.gradient_clip_val = self.policy.gradient_clipping
         if self.policy.gradient_accumulation_steps and trainer.accumulate_grad_batches == 1:
@@ -343,8 +352,11 @@ class V17Strategy(ParallelStrategy):
                 for opt in self.optimizers:
                     self._engine.shard_optimizer(opt)
             if self._pipeline is not None:
-                for opt in self.optimizers:
-                    self._guard_zero_grad(opt)
+                # The schedule runs forward *and* backward inside training_step. Lightning's closure would then zero
+                # the gradients (between training_step and backward) and back-propagate again; its skip-backward flag
+                # drops both (the mechanism StochasticWeightAveraging uses; NeMo's MegatronStrategy does the same).
+                # training_step zeroes the gradients itself, before the schedule runs.
+                trainer.fit_loop._skip_backward = True
         self.setup_precision_plugin()
         self._patch_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -361,12 +373,17 @@ class V17Strategy(ParallelStrategy):
         if getattr(model, "_v17_setup_done", False):
             return model
         spec = self.mesh.spec
-        if spec.pp > 1:  # slot 1: cut the model into this rank's stages; the schedule runs forward+backward
-            self._pipeline = self._apply_pipeline(model)
-        if spec.tp > 1:  # slot 2: DTensor colwise/rowwise plans over the "tp" axis
-            apply_tp = _optional_engine("tensor_parallel", "apply_tensor_parallel", option="tp>1")
-            apply_tp(model, tp_mesh=self.mesh["tp"], sequence_parallel=self.policy.sequence_parallel)
-        apply_activation_checkpointing(model, mode=self.policy.recompute, units=self._units(model))
+        # The structural transforms run once per model: after fit's teardown only the ZeRO-0/2 hooks are removed, so a
+        # following validate/test re-applies ZeRO below but must not split or parallelize the model a second time.
+        if not getattr(model, "_v17_parallelized", False):
+            self.validate_model(model, spec)
+            if spec.pp > 1:  # slot 1: cut the model into this rank's stages; the schedule runs forward+backward
+                self._pipeline = self._apply_pipeline(model)
+            if spec.tp > 1:  # slot 2: DTensor colwise/rowwise plans over the "tp" axis
+                apply_tp = _optional_engine("tensor_parallel", "apply_tensor_parallel", option="tp>1")
+                apply_tp(model, tp_mesh=self.mesh["tp"], sequence_parallel=self.policy.sequence_parallel)
+            apply_activation_checkpointing(model, mode=self.policy.recompute, units=self._units(model))
+            model._v17_parallelized = True
         param_dtype, reduce_dtype = self._mixed_precision_dtypes()
         self._engine = zero_engine.apply_zero(
             model,
@@ -387,6 +404,37 @@ class V17Strategy(ParallelStrategy):
             zero_engine.broadcast_module(model, group=self.mesh.group("dp"))  # DDP: replicas start identical
         model._v17_setup_done = True
         return model
+
+    def validate_model(self, model: Module, spec: MeshSpec) -> None:
+        """Check that ``model`` fits the mesh ``spec`` before anything is split or sharded (same errors on every rank).
+
+        tp must divide the attention heads, key/value heads and FFN width of every Llama-shaped submodule (the error
+        lists the valid tp values); pp * virtual_stages must not exceed the number of blocks. Models with their own
+        ``configure_tensor_parallel`` / ``tp_plan`` are checked by their plan instead.
+
+        Raises:
+            V17ConfigError: naming the option and the valid values.
+        """
+        if (
+            spec.tp > 1
+            and not callable(getattr(model, "configure_tensor_parallel", None))
+            and not getattr(model, "tp_plan", None)
+        ):
+            tp_engine = importlib.import_module("lightning_v17.engine.tensor_parallel")
+            for _, llama in tp_engine.find_llama_modules(model):
+                tp_engine.check_tensor_parallel(llama, tp=spec.tp)
+        if spec.pp > 1:
+            pipeline = importlib.import_module("lightning_v17.engine.pipeline")
+            target = getattr(model, "model", None) or model
+            if isinstance(getattr(target, "layers", None), torch.nn.ModuleDict):
+                stages = spec.pp * self.policy.pipeline.virtual_stages
+                if stages > len(target.layers):
+                    raise V17ConfigError(
+                        f"pp={spec.pp} x virtual_stages={self.policy.pipeline.virtual_stages} = {stages} pipeline "
+                        f"stages but the model has {len(target.layers)} blocks; every stage needs at least one block: "
+                        "lower pp or virtual_stages"
+                    )
+            pipeline.check_pipeline_composition(pp=spec.pp, zero_stage=self.zero_stage)
 
     def _apply_pipeline(self, model: Module) -> Any:
         """Split the LightningModule's Llama-shaped ``model`` attribute (or the module itself) into this rank's
@@ -480,36 +528,100 @@ class V17Strategy(ParallelStrategy):
             yield
 
     # ------------------------------------------------------------------ step
+    def _check_pipeline_trainer(self, trainer: pl.Trainer) -> None:
+        """What pp > 1 needs from the Trainer and the LightningModule (the schedule owns forward and backward)."""
+        if not self.lightning_module.automatic_optimization:
+            raise V17ConfigError(
+                f"pp={self.mesh.spec.pp} runs forward and backward inside the pipeline schedule, so manual "
+                "optimization (self.automatic_optimization = False) cannot call backward itself; use automatic "
+                "optimization with pp>1, or pp=1 for manual optimization"
+            )
+
+    def _pipeline_batch(self, args: tuple, kwargs: dict) -> Any:
+        batch = args[0] if args else kwargs["batch"]
+        if not isinstance(batch, Mapping) or "input_ids" not in batch or "labels" not in batch:
+            raise V17ConfigError(
+                "pp>1 feeds the batch to the pipeline schedule itself (LightningModule.training_step/validation_step "
+                "are not called), so the batch must be a packed dict with 'input_ids' and 'labels' "
+                "(lightning_v17.data); got " + type(batch).__name__
+            )
+        return batch
+
+    def _loss_scale(self) -> Any:
+        """The fp16 GradScaler's current scale (initialized on first use), or None without a scaler."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        if scaler._scale is None:  # GradScaler allocates its scale lazily in scale(); the schedule scales instead
+            scaler._lazy_init_scale_growth_tracker(self.root_device)
+        return scaler._scale.to(device=self.root_device, dtype=torch.float32)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:  # the schedule runs forward and backward for all micro-batches
-            from lightning_v17.engine.pipeline import pipeline_step
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        from lightning_v17.engine.pipeline import pipeline_step
 
-            # Lightning zeroes gradients *after* training_step and before backward (first micro-batch of each
-            # accumulation window). Here backward already ran inside training_step, so zero first, then tell the
-            # wrapped zero_grad to skip Lightning's call (otherwise the step would see zero gradients).
-            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-            accumulate = getattr(self.lightning_module.trainer, "accumulate_grad_batches", 1)
-            if batch_idx % accumulate == 0:
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
-                self._skip_zero_grad = {id(o) for o in self.optimizers}
-            with self.precision_plugin.train_step_context():
-                return pipeline_step(self._pipeline, args[0] if args else kwargs["batch"], grad_sync=self._engine)
-        return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        trainer = module.trainer
+        batch = self._pipeline_batch(args, kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        # Lightning's own zero_grad is skipped (setup sets fit_loop._skip_backward): zero here, at the first batch of
+        # each accumulation window, *before* the schedule accumulates this step's gradients.
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            module.zero_grad(set_to_none=True)
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+        # Lightning back-propagates training_step's loss / accumulate_grad_batches (ClosureResult); the schedule runs
+        # the backward here, so it gets that factor (and the fp16 loss scale) as its loss scale. The returned loss is
+        # unscaled again, as LightningModule.training_step would return it.
+        scale = self._loss_scale()
+        if trainer.accumulate_grad_batches > 1:
+            scale = (1.0 if scale is None else scale) / trainer.accumulate_grad_batches
+        with self.precision_plugin.train_step_context():
+            loss = pipeline_step(self._pipeline, batch, grad_sync=self._engine, loss_scale=scale)
+        # LightningModule.training_step is not called under PP (the stages run the model), so log its loss here.
+        bsz = batch["input_ids"].shape[0]
+        module.log("train_loss", loss, prog_bar=True, batch_size=bsz)
+        bubble = self._pipeline.bubble_over_busy
+        if bubble is not None:
+            module.log("pipeline/bubble_fraction", bubble, batch_size=bsz)
+        module.log("pipeline/bubble_planned", self._pipeline.planned_bubble, batch_size=bsz)
+        return loss
 
-    def _guard_zero_grad(self, optimizer: Optimizer) -> None:
-        """With pp > 1, skip the one ``zero_grad`` Lightning issues after the pipeline already produced gradients."""
-        inner = optimizer.zero_grad
-        strategy = self
+    def _pipeline_eval_step(self, stage: str, args: tuple, kwargs: dict) -> Tensor:
+        from lightning_v17.engine.pipeline import pipeline_eval
 
-        def zero_grad(set_to_none: bool = True) -> None:
-            if id(optimizer) in strategy._skip_zero_grad:
-                strategy._skip_zero_grad.discard(id(optimizer))
-                return
-            inner(set_to_none=set_to_none)
+        batch = self._pipeline_batch(args, kwargs)
+        ctx = {"val": self.precision_plugin.val_step_context, "test": self.precision_plugin.test_step_context}[stage]
+        with ctx():
+            loss = pipeline_eval(self._pipeline, batch)
+        # Same value on every pp (and tp) rank; sync_dist averages the data-parallel replicas.
+        self.lightning_module.log(
+            f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True, batch_size=batch["input_ids"].shape[0]
+        )
+        return loss
 
-        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline_eval_step("val", args, kwargs)  # the schedule's forward-only path
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline_eval_step("test", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise V17ConfigError(
+                f"predict with pp={self.mesh.spec.pp} is not supported (only the last stage would hold the outputs); "
+                "predict with pp=1 (a pp checkpoint loads at pp=1)"
+            )
+        return super().predict_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -632,7 +744,10 @@ class V17Strategy(ParallelStrategy):
             )
         assert self.model is not None
         app_state = zero_engine.get_state_dicts(self.model, self.optimizers, stage=self.zero_stage)
+        own_groups = zero_engine.param_group_lists(app_state)
         trainer_state, _meta = load_sharded(path, app_state=app_state)
+        # A checkpoint from another pipeline split lists other stages' FQNs in its param groups: keep our own.
+        zero_engine.restore_param_group_lists(app_state, own_groups)
         zero_engine.set_state_dicts(self.model, self.optimizers, app_state, stage=self.zero_stage)
         return trainer_state
 
@@ -647,6 +762,10 @@ class V17Strategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._pipeline is not None and self._lightning_module is not None:
+            trainer = getattr(self._lightning_module, "_trainer", None)
+            if trainer is not None:
+                trainer.fit_loop._skip_backward = False
         if self._engine is not None:
             self._engine.remove()
             self._engine = None

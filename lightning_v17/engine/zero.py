@@ -41,6 +41,8 @@ __all__ = [
     "get_optimizer_state",
     "get_state_dicts",
     "materialize_meta_module",
+    "param_group_lists",
+    "restore_param_group_lists",
     "set_requires_gradient_sync",
     "set_state_dicts",
 ]
@@ -335,11 +337,30 @@ class ZeroEngine:
                 off += e.seg_numel
 
     # ------------------------------------------------------------------ state dicts (FQN keys, DTensor shards)
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """FQN-keyed optimizer state whose per-parameter tensors are ``DTensor``s with ``Shard(0)`` over dp_shard.
+    @torch.no_grad()
+    def _gather_piece(self, e: _Param, t: torch.Tensor) -> torch.Tensor:
+        """All-gather the dp_shard rows of ``t`` (this rank's shard of ``e``) into the whole local piece of ``e``'s
+        parameter (the tensor-parallel shard when the parameter is a DTensor); collective over dp_shard."""
+        piece_shape = _local(e.param).shape
+        if self.world == 1:
+            return t.reshape(piece_shape)
+        seg = torch.zeros(e.padded_rows, e.row_numel, dtype=t.dtype, device=t.device)
+        seg[: e.stop - e.start].copy_(t.reshape(e.stop - e.start, e.row_numel))
+        out = torch.empty(self.world * e.padded_rows, e.row_numel, dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, seg, group=self.shard_group)
+        return out[: e.rows].reshape(piece_shape)
 
-        Same layout as ``get_optimizer_state_dict(model, optim)`` returns for an FSDP2 model (stage 3), so DCP can
-        save it and reshard it into any stage and world size.
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """FQN-keyed optimizer state with every per-parameter tensor a ``DTensor`` describing its global layout.
+
+        * Plain parameters: this rank's rows, ``Shard(0)`` over dp_shard (``Replicate`` over dp_replicate) -- the
+          layout ``get_optimizer_state_dict`` reports for an FSDP2 model (stage 3), so DCP reshards between stages
+          and world sizes.
+        * Tensor-parallel (DTensor) parameters: the rows are a dim-0 chunk of the *TP-local* piece, which is not a
+          plain placement on the (dp_shard, tp) mesh when TP also shards dim 0 (FSDP2 needs ``_StridedShard`` for
+          that). Here the dp_shard rows are all-gathered back into the TP-local piece (a collective, at save time
+          only) and described exactly like the parameter itself (its tp mesh and placements, replicated over dp);
+          DCP then saves each TP piece once and reshards it to any tp / dp / stage.
         """
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -351,43 +372,75 @@ class ZeroEngine:
             for p in group["params"]:
                 idx_to_fqn[i] = self.by_shard[id(p)].fqn
                 i += 1
+        by_fqn = {e.fqn: e for e in self.params}
         state: dict[str, Any] = {}
         for idx, st in sd["state"].items():
             fqn = idx_to_fqn[idx]
-            e = next(x for x in self.params if x.fqn == fqn)
+            e = by_fqn[fqn]
+            tp_param = isinstance(e.param, DTensor)
             out = {}
             for k, v in st.items():
                 if torch.is_tensor(v) and v.dim() > 0 and v.shape == e.shard.shape:
-                    v = DTensor.from_local(
-                        v, self.shard_mesh, placements, run_check=False, shape=e.param.shape, stride=e.param.stride()
-                    )
+                    if tp_param:
+                        v = DTensor.from_local(
+                            self._gather_piece(e, v),
+                            e.param.device_mesh,
+                            e.param.placements,
+                            run_check=False,
+                            shape=e.param.shape,
+                            stride=e.param.stride(),
+                        )
+                    else:
+                        v = DTensor.from_local(
+                            v, self.shard_mesh, placements, run_check=False, shape=e.param.shape,
+                            stride=e.param.stride(),
+                        )  # fmt: skip
                 out[k] = v
             state[fqn] = out
         groups = [{**g, "params": [idx_to_fqn[j] for j in g["params"]]} for g in sd["param_groups"]]
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
-        """Inverse of :meth:`optimizer_state_dict` (DTensors, or full plain tensors from a stage-0 checkpoint)."""
+        """Inverse of :meth:`optimizer_state_dict` (DTensors, or full plain tensors from a stage-0 checkpoint).
+
+        The hyperparameters of each param group come from ``osd`` (by group index); which parameters the groups
+        hold comes from ``optimizer`` itself: a checkpoint written at another pipeline split lists other FQNs there
+        (DCP keeps one rank's copy of such non-tensor entries).
+        """
         from torch.distributed.tensor import DTensor
 
         fqn_to_idx: dict[str, int] = {}
+        own_groups: list[list[int]] = []
         i = 0
         for group in optimizer.param_groups:
+            own_groups.append([])
             for p in group["params"]:
                 fqn_to_idx[self.by_shard[id(p)].fqn] = i
+                own_groups[-1].append(i)
                 i += 1
+        by_fqn = {e.fqn: e for e in self.params}
         state = {}
         for fqn, st in osd["state"].items():
-            e = next(x for x in self.params if x.fqn == fqn)
+            if fqn not in fqn_to_idx:
+                continue  # another pipeline stage's parameter
+            e = by_fqn[fqn]
             out = {}
             for k, v in st.items():
                 if isinstance(v, DTensor):
                     v = v.to_local()
+                    if v.shape != e.shard.shape and v.shape == _local(e.param).shape:
+                        v = _rows(v)[e.start : e.stop].reshape(e.shard.shape)  # a gathered TP piece: keep my rows
                 elif torch.is_tensor(v) and v.dim() > 0 and v.shape == e.param.shape:
                     v = _rows(v)[e.start : e.stop].reshape(e.shard.shape)
                 out[k] = v
             state[fqn_to_idx[fqn]] = out
-        groups = [{**g, "params": [fqn_to_idx[f] for f in g["params"]]} for g in osd["param_groups"]]
+        saved = osd["param_groups"]
+        if len(saved) != len(own_groups):
+            raise V17ConfigError(
+                f"the checkpoint's optimizer has {len(saved)} param groups but configure_optimizers builds "
+                f"{len(own_groups)}; build the same param groups as the run that saved it"
+            )
+        groups = [{**g, "params": idx} for g, idx in zip(saved, own_groups)]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def is_tp_sharded(self, p: torch.Tensor) -> bool:
@@ -641,6 +694,35 @@ def get_state_dicts(module: nn.Module, optimizers: Iterable[Any], *, stage: int)
     if optimizers:
         out["optim"] = _merge_optim([get_optimizer_state(module, o, stage=stage) for o in optimizers])
     return out
+
+
+def _optim_states(app_state: dict[str, Any]) -> list[dict[str, Any]]:
+    optim = app_state.get("optim")
+    if optim is None:
+        return []
+    return [optim] if "param_groups" in optim else [optim[k] for k in sorted(optim)]
+
+
+def param_group_lists(app_state: dict[str, Any]) -> list[list[list[Any]]]:
+    """The ``params`` list of every optimizer param group in ``app_state`` (for :func:`restore_param_group_lists`)."""
+    return [[list(g["params"]) for g in osd["param_groups"]] for osd in _optim_states(app_state)]
+
+
+def restore_param_group_lists(app_state: dict[str, Any], lists: list[list[list[Any]]]) -> None:
+    """Put this rank's own ``params`` lists back into the param groups that ``dcp.load`` replaced.
+
+    ``param_groups`` is a non-tensor entry: DCP saves one rank's copy and loads that copy on every rank. Under
+    pipeline parallelism the saving ranks hold different parameters, so the copy lists another stage's FQNs; the
+    hyperparameters (lr, betas, ...) are the same on every rank and are kept from the checkpoint.
+    """
+    for osd, own in zip(_optim_states(app_state), lists):
+        groups = osd["param_groups"]
+        if len(groups) != len(own):
+            raise V17ConfigError(
+                f"the checkpoint's optimizer has {len(groups)} param groups but configure_optimizers builds "
+                f"{len(own)}; build the same param groups as the run that saved it"
+            )
+        osd["param_groups"] = [{**g, "params": params} for g, params in zip(groups, own)]
 
 
 def set_state_dicts(module: nn.Module, optimizers: Iterable[Any], app_state: dict[str, Any], *, stage: int) -> None:

@@ -1,0 +1,172 @@
+"""V17Strategy's TP and PP slots on 2 gloo ranks (dp = 1), with global-norm clipping active, against a 1-process
+Lightning run of the same LlamaLM, data order and seed.
+
+Clipping crosses every axis here: pp (each rank holds other stages), tp (sharded vs replicated parameters) and the
+ZeRO shards, so a norm computed on any subset would change the losses. The reference asserts that every step clips
+(unclipped norm > 2 * max_norm), and the optimizer is SGD so that the clipping factor shows in the losses.
+Tolerance: 1e-5 relative (fp32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._dist import spawn
+
+SEQ, STEPS, CLIP, LR = 16, 3, 0.5, 2.0
+CASES = {
+    "pp2_zero1": {"pp": 2, "zero_stage": 1, "microbatches": 2},
+    "tp2_zero0": {"tp": 2, "zero_stage": 0},
+    "tp2_zero1": {"tp": 2, "zero_stage": 1},
+    "tp2_zero3": {"tp": 2, "zero_stage": 3},
+}
+# fp16 with dynamic loss scaling (Lightning's CPU "16-mixed" turns into bf16 without a scaler; the DeepSpeed-style
+# config builds MixedPrecision("16-mixed") with a GradScaler). The pipeline back-propagates loss * scale itself; the
+# reference is the same run without PP (Lightning's own scaler.scale(loss).backward()). No clipping and plain SGD, so
+# a gradient left scaled by 2**8 would blow the losses up.
+FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+FP16_CASES = {
+    "fp16_pp2_zero1": {"pp": 2, "zero_stage": 1, "microbatches": 2},
+    "fp16_dp2_zero1": {"zero_stage": 1},
+}
+FP16_RTOL = 2e-3  # fp16 autocast: the pipeline's micro-batches of 2 rows round differently from one batch of 4
+
+
+def _data():
+    from torch.utils.data import DataLoader, Dataset
+
+    class Packed(Dataset):
+        def __len__(self) -> int:
+            return 4 * STEPS
+
+        def __getitem__(self, i: int) -> dict:
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(0, 320, (SEQ + 1,), generator=g)
+            return {"input_ids": ids[:-1], "labels": ids[1:], "position_ids": torch.arange(SEQ)}
+
+    return DataLoader(Packed(), batch_size=4, shuffle=False)
+
+
+def _fit(
+    strategy, devices: int, norms: list[float] | None = None, clip: float | None = CLIP, accumulate: int = 1
+) -> list[float]:
+    import lightning as L
+
+    from lightning_v17.models import LlamaLM
+
+    losses: list[float] = []
+
+    class Rec(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if norms is not None:  # runs before Lightning clips: the unclipped global norm (1 process: plain grads)
+                grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+                norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Rec()],
+    )  # fmt: skip
+
+    class SGDLM(LlamaLM):
+        # Plain SGD: the clipping factor scales the update itself. (AdamW's update m / sqrt(v) is nearly invariant to
+        # a gradient scale, so a wrong clipping norm would hardly move its losses.)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    trainer.fit(SGDLM(model="tiny", model_overrides={"layers": 2}), _data())
+    return losses
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from lightning_v17.strategies import V17Strategy
+
+    out = {name: _fit(V17Strategy(**kw), 2) for name, kw in CASES.items()}
+    for name, kw in FP16_CASES.items():
+        out[name] = _fit(V17Strategy(**kw, config=FP16), 2, clip=None)
+    out["pp2_zero1_accumulate2"] = _fit(V17Strategy(**CASES["pp2_zero1"]), 2, clip=None, accumulate=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return spawn(_worker, world_size=2, timeout=300, init_process_group=False)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    norms: list[float] = []
+    losses = _fit("auto", 1, norms)
+    # clipping is active at every step, so a per-stage / per-shard norm would change the trajectory
+    assert len(norms) == STEPS and min(norms) > 2 * CLIP, norms
+    return losses
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp_pp_with_clipping_match_single_process(results: list[dict], reference: list[float], name: str) -> None:
+    assert len(reference) == STEPS
+    for res in results:
+        got = res[name]
+        assert got == pytest.approx(reference, rel=1e-5), (name, got, reference)
+
+
+@pytest.mark.timeout(400)
+def test_fp16_loss_scaling_through_the_pipeline(results: list[dict]) -> None:
+    for res in results:
+        got, want = res["fp16_pp2_zero1"], res["fp16_dp2_zero1"]
+        assert len(got) == STEPS and all(torch.isfinite(torch.tensor(got))), got
+        assert got == pytest.approx(want, rel=FP16_RTOL), (got, want)
+
+
+def test_strategy_errors_name_the_option_and_the_fix() -> None:
+    """No processes needed: the checks run at construction, in resolve_mesh and in validate_model (called by
+    _setup_model before anything is split or sharded)."""
+    from lightning_v17.strategies import V17Strategy
+
+    from lightning_v17.config import MeshSpec, V17ConfigError
+    from lightning_v17.models import LlamaLM
+
+    lm = LlamaLM(model="tiny")  # 8 heads, 4 kv heads, 4 blocks
+    lm.configure_model()
+    with pytest.raises(V17ConfigError, match=r"tp=3 must divide num_attention_heads=8.*try tp in \{1, 2, 4\}"):
+        V17Strategy(tp=3).validate_model(lm, MeshSpec.resolve(3, tp=3))
+    with pytest.raises(V17ConfigError, match=r"= 8 does not equal the world size 4.*dp_shard='auto'"):
+        V17Strategy(pp=2, tp=2, dp_shard=2, zero_stage=1).resolve_mesh(4)
+    with pytest.raises(V17ConfigError, match=r"world size 2 is not divisible by .* = 3"):
+        V17Strategy(tp=3).resolve_mesh(2)
+    for stage in (2, 3):  # seed §17.5: PP composes with ZeRO-1 only; refused at construction
+        with pytest.raises(V17ConfigError, match=rf"pp=2 with zero_stage={stage} is not supported.*set zero_stage=1"):
+            V17Strategy(pp=2, zero_stage=stage)
+    with pytest.raises(V17ConfigError, match="pp=2 with zero_stage=2"):  # also when the stage comes from a DS config
+        V17Strategy(pp=2, config={"zero_optimization": {"stage": 2}})
+    with pytest.raises(V17ConfigError, match=r"8 pipeline stages but the model has 4 blocks.*lower pp"):
+        V17Strategy(pp=4, virtual_stages=2, pp_schedule="interleaved_1f1b", zero_stage=1).validate_model(
+            lm, MeshSpec.resolve(4, pp=4)
+        )
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_gradient_accumulation_matches_single_process(results: list[dict]) -> None:
+    """accumulate_grad_batches=2 with pp=2: each schedule's backward carries Lightning's 1/accumulate factor and the
+    data-parallel reduction runs once per window. No clipping (it would hide a gradient off by the factor 2); SGD.
+    1e-5 relative."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    want = _fit("auto", 1, clip=None, accumulate=2)
+    assert len(want) == 5  # 3 batches per epoch: steps after batches (0, 1), (2,) at the epoch end, then (0, 1)
+    for res in results:
+        assert res["pp2_zero1_accumulate2"] == pytest.approx(want, rel=1e-5), (res["pp2_zero1_accumulate2"], want)
