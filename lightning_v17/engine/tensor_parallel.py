@@ -189,18 +189,6 @@ def find_llama_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-#: Projection roles when the model does not provide ``tensor_parallel_plan()`` (Megatron, Shoeybi 2019 §3).
-_BLOCK_ROLES = {
-    "attention.wq": "colwise",
-    "attention.wk": "colwise",
-    "attention.wv": "colwise",
-    "attention.wo": "rowwise",
-    "feed_forward.w1": "colwise",
-    "feed_forward.w3": "colwise",
-    "feed_forward.w2": "rowwise",
-}
-
-
 def _projection_roles(model: nn.Module) -> dict[str, str]:
     """FQN -> "colwise"/"rowwise", from the model's ``tensor_parallel_plan()`` if it has one (the reference Llama
     does), else the Megatron default for torchtitan names."""
@@ -208,9 +196,12 @@ def _projection_roles(model: nn.Module) -> dict[str, str]:
     if callable(hook):
         roles = dict(hook())
     else:
-        roles = {"tok_embeddings": "rowwise", "output": "colwise"}
+        # Megatron's roles (Shoeybi 2019 §3) under torchtitan's names, which the reference model also uses.
+        from lightning_v17.models.llama import BLOCK_TP_PLAN, TOP_TP_PLAN
+
+        roles = dict(TOP_TP_PLAN)
         for key in model.layers:
-            roles.update({f"layers.{key}.{n}": r for n, r in _BLOCK_ROLES.items()})
+            roles.update({f"layers.{key}.{n}": r for n, r in BLOCK_TP_PLAN.items()})
     bad = {k: v for k, v in roles.items() if v not in ("colwise", "rowwise")}
     if bad:
         raise V17ConfigError(f"tensor_parallel_plan() roles must be 'colwise' or 'rowwise'; got {bad}")
