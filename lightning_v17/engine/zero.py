@@ -513,7 +513,9 @@ def apply_fsdp(
     Args:
         module: the model (parameters may be on the meta device: FSDP2 shards meta tensors too).
         mesh: 1-D ``dp_shard`` mesh, or the 2-D (``dp_replicate``, ``dp_shard``) mesh for HSDP.
-        reshard_after_forward: free each unit's gathered parameters after its forward (None: True).
+        reshard_after_forward: free each unit's gathered parameters after its forward. None (default): True for
+            every unit except the last one and the residual group (embeddings, norm, head), which backward needs
+            first, so they stay gathered from forward to backward as in FSDP2's root and torchtitan.
         wrap_classes: unit class names (empty: auto-detect repeated blocks).
         param_dtype: compute dtype (FSDP2 ``MixedPrecisionPolicy.param_dtype``); the sharded fp32 parameter is the
             master copy.
@@ -532,8 +534,11 @@ def apply_fsdp(
         "offload_policy": CPUOffloadPolicy() if offload_params else OffloadPolicy(),
     }
     units = find_wrap_units(module, wrap_classes)
-    for u in units:
-        fully_shard(u, reshard_after_forward=rsf, **kw)
+    for i, u in enumerate(units):
+        # torchtitan's optimization: by default the last unit is not resharded after forward, because backward
+        # starts with it and would all-gather it again at once (one all-gather of one block saved per step).
+        last_default = reshard_after_forward is None and i == len(units) - 1
+        fully_shard(u, reshard_after_forward=False if last_default else rsf, **kw)
     unit_ids = {id(u) for u in units}
     residual = [c for c in module.children() if id(c) not in unit_ids and any(True for _ in c.parameters())]
     if any(True for _ in module.parameters(recurse=False)):
