@@ -2,7 +2,7 @@
 and V17's pp=2 1F1B path against raw ``torch.distributed.pipelining`` (same schedule, model, data), one invocation.
 
 Model: the reference Llama (``lightning_v17.models``), 8 blocks, hidden 256, 8 heads, ffn 768, vocab 64, seq 128,
-fp32, one intra-op thread per rank, 2 gloo ranks on CPU. Each step feeds m micro-batches of 2 rows (one document
+fp32, one intra-op thread per rank, 2 gloo ranks on CPU. Each step feeds m micro-batches of 8 rows (one document
 per row). Every configuration builds its stages from the same seed; ``--warmup`` steps are excluded.
 
 Measurement: every configuration at one m (the five schedules and raw torch 1F1B) is built once, warmed up, then
@@ -44,7 +44,9 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble",
 # with vocab 512 the last stage was ~6% slower, which GPipe/1F1B amplify by m into extra idle time on stage 0.
 MODEL = {"vocab_size": 64, "hidden": 256, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 768, "max_seq_len": 128}
 SEQ = 128
-ROWS_PER_MICROBATCH = 2
+# 8 rows per micro-batch: each send/recv and schedule action has a fixed cost on CPU gloo that (p-1)/m leaves out;
+# with 2 rows it was ~10% of a micro-batch's compute and inflated every measured bubble.
+ROWS_PER_MICROBATCH = 8
 
 
 def _free_port() -> int:
