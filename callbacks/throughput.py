@@ -50,21 +50,8 @@ def model_shape_of(pl_module: Any, seq: int) -> Any:
     if isinstance(shape, ModelShape):
         return shape
     cfg = getattr(pl_module, "config", None)
-    needed = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn")
-    if cfg is not None and all(hasattr(cfg, f) for f in needed):
-        return ModelShape(
-            arch="llama",
-            layers=cfg.layers,
-            hidden=cfg.hidden,
-            heads=cfg.heads,
-            kv_heads=cfg.kv_heads,
-            ffn=cfg.ffn,
-            vocab=cfg.vocab_size,
-            seq=max(seq, 1),
-            tie_embeddings=bool(getattr(cfg, "tie_embeddings", False)),
-            rope_theta=float(getattr(cfg, "rope_theta", 10000.0)),
-        )
-    return None
+    to_shape = getattr(cfg, "to_shape", None)
+    return to_shape(seq=max(seq, 1)) if callable(to_shape) else None
 
 
 def _batch_counts(batch: Any) -> tuple[int, int, int]:

@@ -20,7 +20,7 @@ class V17ConfigError(ValueError):
     """A user-facing configuration error. The message names the option and the fix."""
 
 
-def _parse_enum(enum_cls: type[StrEnum], value: Any, *, option: str) -> StrEnum:
+def parse_enum(enum_cls: type[StrEnum], value: Any, *, option: str) -> StrEnum:
     """Parse ``value`` into ``enum_cls`` or raise an error that names ``option`` and lists the valid values."""
     if isinstance(value, enum_cls):
         return value
@@ -60,7 +60,7 @@ class Recompute(StrEnum):
             return cls.NONE
         if value is True:
             return cls.FULL
-        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+        return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
 class Schedule(StrEnum):
@@ -78,7 +78,7 @@ class Schedule(StrEnum):
         aliases = {"interleaved": cls.INTERLEAVED_1F1B, "zb_h1": cls.ZERO_BUBBLE, "zb-h1": cls.ZERO_BUBBLE}
         if isinstance(value, str) and value.strip().lower() in aliases:
             return aliases[value.strip().lower()]
-        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+        return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
 class Tier(StrEnum):
@@ -92,7 +92,7 @@ class Tier(StrEnum):
     def parse(cls, value: Any, option: str = "offload") -> Tier:
         if value is None or value is False:
             return cls.NONE
-        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+        return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
 class Precision(StrEnum):
@@ -132,7 +132,7 @@ class OptimizerKind(StrEnum):
 
     @classmethod
     def parse(cls, value: Any, option: str = "optimizer") -> OptimizerKind:
-        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+        return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DistributedSampler
 
+from lightning_v17.config import parse_enum
+
 IGNORE_INDEX = -100
 PAD_DOC_ID = -1
 
@@ -47,11 +49,7 @@ class PackingMode(StrEnum):
 
     @classmethod
     def parse(cls, value: Any) -> PackingMode:
-        try:
-            return cls(str(value).lower().replace("-", "_"))
-        except ValueError:
-            valid = ", ".join(m.value for m in cls)
-            raise ValueError(f"packing={value!r} is not a packing mode; use one of: {valid}") from None
+        return parse_enum(cls, value, option="packing")  # type: ignore[return-value]
 
     @property
     def packs(self) -> bool:

@@ -256,6 +256,24 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # save
 # ----------------------------------------------------------------------------------------------------------------
+def gather_file_digests(files: dict[str, dict[str, Any]], *, process_group: Any = None) -> dict[str, dict[str, Any]]:
+    """Every rank's ``{relative path: digest}`` merged on rank 0 (other ranks get ``{}``); each rank hashed its own.
+
+    Args:
+        files: the digests of the files this rank wrote (``hash_own_files``).
+        process_group: group to gather over (None: the default group; single process without one).
+    """
+    if not _dist_on():
+        return dict(files)
+    rank, world = _rank_world(process_group)
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(files, gathered, group=process_group, group_dst=0)
+    merged: dict[str, dict[str, Any]] = {}
+    for part in gathered or []:
+        merged.update(part)
+    return merged
+
+
 def save_sharded(
     path: str | os.PathLike,
     *,
@@ -301,15 +319,8 @@ def save_sharded(
         torch.save(trainer_state, buf)
         _write_bytes_durably(tmp / TRAINER_STATE_FILE, buf.getvalue())
         files[TRAINER_STATE_FILE] = file_digest(tmp / TRAINER_STATE_FILE)
-    if use_dist:
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(files, gathered, group=process_group, group_dst=0)
-    else:
-        gathered = [files]
+    all_files = gather_file_digests(files, process_group=process_group)
     if rank == 0:
-        all_files: dict[str, dict[str, Any]] = {}
-        for part in gathered or []:
-            all_files.update(part)
         full = build_meta(
             meta, world_size=world, components=components, files=all_files, step=trainer_state.get("global_step")
         )

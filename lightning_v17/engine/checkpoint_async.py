@@ -44,6 +44,7 @@ from lightning_v17.engine.checkpoint import (
     _write_bytes_durably,
     build_meta,
     file_digest,
+    gather_file_digests,
     hash_own_files,
     prepare_partial,
     publish,
@@ -262,15 +263,8 @@ class AsyncShardedSaver:
                 + "; the partial checkpoint was discarded and the previous one is intact"
             ) from local
         files = rec.finisher.result()
-        if _dist_on():
-            gathered: list[Any] | None = [None] * world if rank == 0 else None
-            dist.gather_object(files, gathered, group=self._pg, group_dst=0)
-        else:
-            gathered = [files]
+        all_files = gather_file_digests(files, process_group=self._pg)
         if rank == 0:
-            all_files: dict[str, dict[str, Any]] = {}
-            for part in gathered or []:
-                all_files.update(part)
             state_bytes = rec.trainer_state
             if rec.amendments:
                 state = torch.load(io.BytesIO(state_bytes), map_location="cpu", weights_only=False)

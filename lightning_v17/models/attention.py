@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_v17.config import parse_enum
+
 
 class AttentionBackend(StrEnum):
     """``auto`` picks flash -> flex -> sdpa by device and installed packages; the others force one backend."""
@@ -31,11 +33,7 @@ class AttentionBackend(StrEnum):
 
     @classmethod
     def parse(cls, value: Any) -> AttentionBackend:
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            valid = ", ".join(m.value for m in cls)
-            raise ValueError(f"attention backend {value!r} is unknown; use one of: {valid}") from None
+        return parse_enum(cls, value, option="attention_backend")  # type: ignore[return-value]
 
 
 @functools.cache

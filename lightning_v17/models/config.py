@@ -95,8 +95,20 @@ class ModelConfig:
             raise V17ConfigError(f"unknown model override(s) {unknown}; valid fields: {sorted(valid)}")
         return replace(config, **overrides) if overrides else config
 
+    def to_shape(self, seq: int | None = None) -> Any:
+        """This config as the planner's ``ModelShape`` (llama arch), for FLOPs and memory formulas.
+
+        Args:
+            seq: sequence length to plan for (default: ``max_seq_len``).
+        """
+        from lightning_v17.planner.model import ModelShape
+
+        return ModelShape(
+            arch="llama", layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+            ffn=self.ffn, vocab=self.vocab_size, seq=max(seq or self.max_seq_len, 1),
+            tie_embeddings=self.tie_embeddings, rope_theta=self.rope_theta,
+        )  # fmt: skip
+
     def num_params(self) -> int:
-        """Exact parameter count (tied embeddings counted once); equals the planner's ``ModelShape.num_params``."""
-        h = self.hidden
-        block = 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn + 2 * h
-        return self.vocab_size * h * (1 if self.tie_embeddings else 2) + self.layers * block + h
+        """Exact parameter count (tied embeddings counted once), by the planner's formula (one definition)."""
+        return self.to_shape().num_params

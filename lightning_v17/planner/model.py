@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from typing import Any
 
-from lightning_v17.config import V17ConfigError, _parse_enum
+from lightning_v17.config import V17ConfigError, parse_enum
 
 
 class Arch(StrEnum):
@@ -26,7 +26,7 @@ class Arch(StrEnum):
 
     @classmethod
     def parse(cls, value: Any, option: str = "arch") -> Arch:
-        return _parse_enum(cls, value, option=option)  # type: ignore[return-value]
+        return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
