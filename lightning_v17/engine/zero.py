@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_v17.config import V17ConfigError
+from lightning_v17.engine.collectives import all_gather, install_fsdp_comms, reduce_scatter
 
 __all__ = [
     "ZeroEngine",
@@ -264,7 +265,8 @@ class ZeroEngine:
         buf.div_(self.dp)
         b.buf = buf.view(-1)
         b.out = torch.empty(b.seg_numel, dtype=dtype, device=buf.device)
-        b.work = dist.reduce_scatter_tensor(b.out, b.buf, group=self.shard_group, async_op=True)
+        # gloo: all_to_all + local sum (engine/collectives.py); other backends: reduce_scatter_tensor
+        b.work = reduce_scatter(b.out, b.buf, group=self.shard_group, async_op=True)
 
     def _full_group(self) -> Any:
         return self._dp_group if hasattr(self, "_dp_group") else self.shard_group
@@ -327,7 +329,7 @@ class ZeroEngine:
                 send[off : off + n].copy_(_rows(e.param.detach())[e.start : e.stop].reshape(-1))
                 off += e.seg_numel
             recv = torch.empty(self.world * b.seg_numel, dtype=dtype, device=send.device)
-            dist.all_gather_into_tensor(recv, send, group=self.shard_group)
+            all_gather(recv, send, group=self.shard_group)
             recv = recv.view(self.world, b.seg_numel)
             off = 0
             for e in b.params:
@@ -555,7 +557,16 @@ def apply_fsdp(
         fully_shard(residual[0], reshard_after_forward=root_rsf, **kw)
     elif residual:
         fully_shard(residual, reshard_after_forward=root_rsf, **kw)
-    return units + residual
+    sharded = units + residual
+    # On gloo, reduce-scatter and all-gather as one all_to_all each (engine/collectives.py: ~2x and ~1.5x faster);
+    # NCCL keeps FSDP2's native collectives.
+    shard_group = mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
+    if residual and len(residual) > 1:
+        fsdp_modules = units + [residual[0]]  # fully_shard([a, b]) makes one group, reachable through any member
+    else:
+        fsdp_modules = sharded
+    install_fsdp_comms(fsdp_modules, shard_group)
+    return sharded
 
 
 def _has_meta(module: nn.Module) -> bool:
