@@ -2,12 +2,16 @@
 and V17's pp=2 1F1B path against raw ``torch.distributed.pipelining`` (same schedule, model, data), one invocation.
 
 Model: the reference Llama (``lightning_v17.models``), 8 blocks, hidden 256, 8 heads, ffn 768, vocab 64, seq 128,
-fp32, one intra-op thread per rank, 2 gloo ranks on CPU. Each step feeds m micro-batches of 8 rows (one document
+fp32, one intra-op thread per rank, 2 gloo ranks on CPU, rank r pinned to the r-th allowed core (``--no-pin`` to
+turn off). Each step feeds m micro-batches of 8 rows (one document
 per row). Every configuration builds its stages from the same seed; ``--warmup`` steps are excluded.
 
-Measurement: every configuration at one m (the five schedules and raw torch 1F1B) is built once, warmed up, then
-their timed iterations are interleaved step by step (A B C ... A B C ...), so load from other processes hits all of
-them alike. Each iteration is zero_grad, a barrier, the schedule step, a barrier (``schedule_s``: the wall clock of
+Measurement: every configuration (five schedules and raw torch 1F1B, at each m) runs in its own fresh pair of
+processes, as a user runs one job, over ``--rounds`` rounds in a rotated order (so load from other processes does
+not always hit the same configuration); the medians are over all rounds and timed steps. One process running all
+configurations one after another does not measure GPipe: its m live micro-batches then need memory that the other
+configurations' allocations had left fragmented, and the first touch of fresh pages (~11 us per 4 KiB page in this
+VM, ~26k page faults and ~0.3 s of system time per forward) made its last forwards up to 4x slower. Each iteration is zero_grad, a barrier, the schedule step, a barrier (``schedule_s``: the wall clock of
 the slowest rank, i.e. the pipeline's real step), the optimizer step, a barrier (``iter_s``, used for tokens/s). Busy time is what the engine's ``BubbleTimer`` records on each rank (stage forward,
 backward, weight-backward and loss compute). Reported per configuration (median over ranks x timed steps, robust to
 a step disturbed by other processes on the machine):
@@ -16,7 +20,11 @@ a step disturbed by other processes on the machine):
   ``bubble_fraction`` predicts: (p-1)/m for GPipe and 1F1B);
 * ``idle_fraction`` = idle / step;
 * ``bubble_planner`` from ``lightning_v17.planner.pipeline.bubble_fraction``;
-* ``tokens_per_s`` = tokens per iteration / median iteration time (optimizer step included).
+* ``tokens_per_s`` = tokens per iteration / median iteration time (optimizer step included);
+* ``bubble_replayed``: every timed step's recorded actions (``BubbleTimer.trace``) replayed with zero communication
+  time (``engine.pipeline.replay_actions``): the idle / busy that the measured action durations alone imply. With
+  equal durations it is exactly (p-1)/m; the gap to it is stage imbalance and micro-batch-to-micro-batch variation
+  of the compute (``action_cv``), and ``bubble_measured - bubble_replayed`` is communication + scheduling overhead.
 
 Targets checked and printed under ``"checks"``: GPipe/1F1B measured bubble within ±25% of (p-1)/m; zero_bubble's
 below 1F1B's at equal m; V17 1F1B tokens/s / raw torch.distributed.pipelining 1F1B tokens/s >= 0.95.
@@ -24,7 +32,7 @@ below 1F1B's at equal m; V17 1F1B tokens/s / raw torch.distributed.pipelining 1F
 Usage::
 
     .venv/bin/python bench/pipeline.py                  # prints one JSON object
-    .venv/bin/python bench/pipeline.py --steps 6 --warmup 2 --rounds 1
+    .venv/bin/python bench/pipeline.py --steps 6 --warmup 2 --rounds 1   # one round: ~5 min
 """
 
 from __future__ import annotations
@@ -68,11 +76,12 @@ def _batch(m: int, step: int) -> dict:
 class _Runner:
     """One pipeline configuration on this rank: ``zero_grad`` + ``schedule`` + ``optimizer.step`` per iteration."""
 
-    def __init__(self, schedule_step, opt, busy_of) -> None:
-        self.schedule_step, self.opt, self.busy_of = schedule_step, opt, busy_of
+    def __init__(self, schedule_step, opt, busy_of, trace: list | None = None) -> None:
+        self.schedule_step, self.opt, self.busy_of, self.trace = schedule_step, opt, busy_of, trace
         self.sched_s: list[float] = []  # barrier-bracketed schedule step: forward + backward of all micro-batches
         self.iter_s: list[float] = []  # the whole iteration, optimizer step included (for tokens/s)
         self.busy: list[float] = []
+        self.actions: list[list[tuple]] = []  # per timed step: (kind, stage, chunk, duration_s) in execution order
 
     def iteration(self, i: int, *, record: bool) -> None:
         import torch.distributed as dist
@@ -81,12 +90,16 @@ class _Runner:
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         dist.barrier()
+        if self.trace is not None:
+            self.trace.clear()
         b0 = self.busy_of()
         t1 = time.perf_counter()
         self.schedule_step(i)
         dist.barrier()
         t2 = time.perf_counter()
         b1 = self.busy_of()
+        if record and self.trace is not None:
+            self.actions.append([(k, s, c, e - b) for k, s, c, b, e in self.trace])
         self.opt.step()
         dist.barrier()
         t3 = time.perf_counter()
@@ -95,8 +108,8 @@ class _Runner:
             self.busy.append(b1 - b0)
             self.iter_s.append(t3 - t0)
 
-    def result(self) -> dict[str, list[float]]:
-        return {"sched_s": self.sched_s, "iter_s": self.iter_s, "busy": self.busy}
+    def result(self) -> dict[str, list]:
+        return {"sched_s": self.sched_s, "iter_s": self.iter_s, "busy": self.busy, "actions": self.actions}
 
 
 def _v17(rank: int, schedule: str, v: int, m: int, base) -> _Runner:
@@ -112,7 +125,10 @@ def _v17(rank: int, schedule: str, v: int, m: int, base) -> _Runner:
     views, ids = split_model(model, pp_rank=rank, pp=2, policy=policy)
     rt = build_schedule(views, stage_ids=ids, pp_mesh=pp_mesh, policy=policy, device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return _Runner(lambda i: pipeline_step(rt, _batch(m, i)), opt, lambda: rt.timer.busy_s + rt.loss_fn.busy_s)
+    trace = rt.enable_trace()
+    return _Runner(
+        lambda i: pipeline_step(rt, _batch(m, i)), opt, lambda: rt.timer.busy_s + rt.loss_fn.busy_s, trace=trace
+    )
 
 
 def _raw_1f1b(rank: int, m: int, base) -> _Runner:
@@ -149,69 +165,117 @@ def _raw_1f1b(rank: int, m: int, base) -> _Runner:
     return _Runner(step, opt, lambda: 0.0)
 
 
-def _run_group(runners: dict[str, _Runner], *, warmup: int, steps: int) -> None:
-    """Warm every runner up, then interleave their timed iterations step by step (A B C A B C ...), so a change in
-    the machine's load hits all of them alike."""
-    for r in runners.values():
-        for i in range(warmup):
-            r.iteration(i, record=False)
-    for i in range(steps):
-        for r in runners.values():
-            r.iteration(warmup + i, record=True)
-
-
-def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
+def _worker(rank: int, port: int, key: str, args: argparse.Namespace, queue) -> None:
+    """One configuration (``"<schedule>/m<m>"``) on this rank, in a fresh process: warm-up, then timed steps."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if args.pin and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
+        # one core per rank, as one accelerator per rank: the OS cannot co-schedule both stages on one core
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         from lightning_v17.models import Llama, ModelConfig
 
         torch.manual_seed(0)
         base = Llama(ModelConfig(**MODEL))
-        out: dict[str, dict[str, list[float]]] = {}
-        for _ in range(args.rounds):
-            for m in (4, 8):
-                # all schedules at one m, plus the raw torch 1F1B, interleaved step by step
-                runners = {f"{s}/m{m}": _v17(rank, s, v, m, base) for s, v in SCHEDULES}
-                runners[f"raw_1f1b/m{m}"] = _raw_1f1b(rank, m, base)
-                _run_group(runners, warmup=args.warmup, steps=args.steps)
-                for key, r in runners.items():
-                    acc = out.setdefault(key, {"sched_s": [], "iter_s": [], "busy": []})
-                    for k, vals in r.result().items():
-                        acc[k] += vals
-        queue.put((rank, out))
+        name, m = key.split("/m")
+        if name == "raw_1f1b":
+            runner = _raw_1f1b(rank, int(m), base)
+        else:
+            runner = _v17(rank, name, dict(SCHEDULES)[name], int(m), base)
+        for i in range(args.warmup):
+            runner.iteration(i, record=False)
+        for i in range(args.steps):
+            runner.iteration(args.warmup + i, record=True)
+        queue.put((rank, runner.result()))
     finally:
         dist.destroy_process_group()
+
+
+def _launch(key: str, args: argparse.Namespace, timeout_s: float = 600.0) -> dict[int, dict[str, list]]:
+    """Run one configuration in a fresh pair of spawned ranks; returns ``{rank: result}``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, key, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        out = dict(queue.get() for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=timeout_s)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _replay(per_rank: dict, key: str, *, num_stages: int) -> dict[str, Any]:
+    """Replay each timed step's recorded actions with zero communication time (``engine.pipeline.replay_actions``).
+
+    ``bubble_replayed``: idle / busy that the measured action durations alone give (stage imbalance and run-to-run
+    variation of the compute included, communication and scheduling overhead excluded); ``bubble_measured`` minus
+    it is what the P2P transfers, the schedule's bookkeeping and the step's own set-up cost. ``action_cv``: the
+    coefficient of variation of the forward ("F", loss included) and backward ("B") durations of one rank within a
+    step (median over ranks and steps): how unequal the "equal" micro-batches are on this machine.
+    """
+    from lightning_v17.engine.pipeline import replay_actions
+
+    bubbles: list[float] = []
+    cvs: dict[str, list[float]] = {"F": [], "B": []}
+    steps = min(len(per_rank[r][key]["actions"]) for r in (0, 1))
+    for j in range(steps):
+        acts = {r: per_rank[r][key]["actions"][j] for r in (0, 1)}
+        out = replay_actions(acts, num_stages)
+        bubbles += list(out["bubble_over_busy"].values())
+        for r in (0, 1):
+            for kind in ("F", "B"):
+                durs = [a[3] for a in acts[r] if a[0] == kind]
+                if len(durs) > 1:
+                    cvs[kind].append(statistics.pstdev(durs) / statistics.mean(durs))
+    if not bubbles:
+        return {}
+    return {
+        "bubble_replayed": statistics.median(bubbles),
+        "action_cv": {k: round(statistics.median(v), 4) for k, v in cvs.items() if v},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration and round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (stage init, allocator)")
-    parser.add_argument("--rounds", type=int, default=1, help="repetitions of the whole measurement")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="repetitions of the whole measurement (order rotated each round)"
+    )
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="do not pin rank r to the r-th allowed CPU core"
+    )
     parser.add_argument("--json-out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import torch.multiprocessing as mp
-
     from lightning_v17.planner.pipeline import bubble_fraction
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(2)]
+    keys = [f"{name}/m{m}" for m in (4, 8) for name in [*(s for s, _ in SCHEDULES), "raw_1f1b"]]
+    per_rank: dict[int, dict[str, dict[str, list]]] = {0: {}, 1: {}}
     t0 = time.time()
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    for rnd in range(args.rounds):
+        order = keys[rnd % len(keys) :] + keys[: rnd % len(keys)]  # rotate: no configuration has a fixed slot
+        for key in order:
+            res = _launch(key, args)
+            for r in (0, 1):
+                acc = per_rank[r].setdefault(key, {"sched_s": [], "iter_s": [], "busy": [], "actions": []})
+                for k, vals in res[r].items():
+                    acc[k] += vals
+            it = statistics.median(res[0]["iter_s"])
+            print(f"[round {rnd + 1}/{args.rounds}] {key}: {it:.3f} s/iter", file=sys.stderr, flush=True)
     results: dict[str, Any] = {}
-    for key in per_rank[0]:
+    for key in keys:
         name, m = key.split("/m")
         m = int(m)
         iter_s = statistics.median(per_rank[0][key]["iter_s"])  # barrier-bracketed: equal on both ranks
@@ -230,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
                 idle_fraction=statistics.median(1 - b / t for t, b in pairs),
                 bubble_planner=bubble_fraction(name, pp=2, microbatches=m, virtual_stages=v),
                 busy_s_per_rank=[statistics.median(per_rank[r][key]["busy"]) for r in (0, 1)],
+                **_replay(per_rank, key, num_stages=2 * v),
             )
         results[key] = entry
     checks: dict[str, Any] = {}
@@ -241,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "measured": round(got, 4),
                 "rel_err": round(abs(got - ideal) / ideal, 3),
                 "ok": abs(got - ideal) <= 0.25 * ideal,
+                "replayed_zero_comm": round(results[f"{s}/m{m}"].get("bubble_replayed", float("nan")), 4),
             }
         zb, ob = results[f"zero_bubble/m{m}"]["bubble_measured"], results[f"1f1b/m{m}"]["bubble_measured"]
         checks[f"m{m}: zero_bubble bubble < 1f1b bubble"] = {
@@ -260,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "pinned": args.pin,
         "results": results,
         "checks": checks,
         "wall_s": round(time.time() - t0, 1),
