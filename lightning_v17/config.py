@@ -255,12 +255,17 @@ class ZeroPolicy:
         wrap_classes: class names that become ZeRO-3 units. Empty means auto-detect: the children of every
             ``nn.ModuleList`` / repeated-block ``nn.ModuleDict``.
         bucket_mb: gradient bucket size for stage 0-2 reductions, in MiB (DeepSpeed's reduce_bucket_size).
+        optimizer_partition: stages 1-2: how the optimizer is split over the dp_shard ranks. "rows": every
+            parameter along dim 0 (balanced; exact for elementwise optimizers: SGD/Adam/AdamW/...). "params": whole
+            parameters per rank, as ``ZeroRedundancyOptimizer`` (exact for any per-parameter optimizer: Adafactor,
+            Muon, 8-bit). "auto": "rows" if every optimizer is an elementwise ``torch.optim`` class, else "params".
     """
 
     stage: int = 3
     reshard_after_forward: bool | None = None
     wrap_classes: tuple[str, ...] = ()
     bucket_mb: float = 25.0
+    optimizer_partition: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -270,6 +275,11 @@ class ZeroPolicy:
             )
         if self.bucket_mb <= 0:
             raise V17ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if self.optimizer_partition not in ("auto", "rows", "params"):
+            raise V17ConfigError(
+                f"optimizer_partition={self.optimizer_partition!r}; choose 'auto', 'rows' (dim-0 slices, elementwise "
+                "optimizers) or 'params' (whole parameters per rank, any per-parameter optimizer)"
+            )
         object.__setattr__(self, "wrap_classes", tuple(self.wrap_classes))
 
 

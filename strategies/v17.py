@@ -114,6 +114,10 @@ class V17Strategy(ParallelStrategy):
             repeated-block ``nn.ModuleDict``s).
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (None: True).
         bucket_mb: gradient bucket size in MiB for stages 0-2 (DeepSpeed's ``reduce_bucket_size``).
+        optimizer_partition: stages 1-2: "rows" splits every parameter's optimizer state along dim 0 (balanced;
+            exact for elementwise optimizers such as SGD/Adam/AdamW), "params" gives each rank whole parameters
+            (as ``ZeroRedundancyOptimizer``; exact for any per-parameter optimizer such as Adafactor or 8-bit
+            Adam), "auto" picks "rows" when every optimizer is an elementwise ``torch.optim`` class, else "params".
         config: a DeepSpeed JSON config (dict or path), see :func:`lightning_v17.config.from_deepspeed_config`.
             Precedence: a constructor argument that differs from its default wins over the config; the config wins
             over defaults. ``bf16``/``fp16`` apply only when the Trainer runs at its default ``precision="32-true"``
@@ -151,6 +155,7 @@ class V17Strategy(ParallelStrategy):
         wrap_classes: Sequence[str] = (),
         reshard_after_forward: bool | None = None,
         bucket_mb: float = 25.0,
+        optimizer_partition: str = "auto",
         config: str | Path | dict | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -179,6 +184,7 @@ class V17Strategy(ParallelStrategy):
                                            base.zero.reshard_after_forward),
                 wrap_classes=tuple(wrap_classes) or base.zero.wrap_classes,
                 bucket_mb=pick("bucket_mb", bucket_mb, base.zero.bucket_mb),
+                optimizer_partition=optimizer_partition,
             ),
             offload=OffloadPolicy(
                 optimizer=pick("offload_optimizer", offload_optimizer, base.offload.optimizer),
@@ -349,6 +355,7 @@ class V17Strategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self._engine is not None:
+                self._engine.choose_partition(self.optimizers)
                 for opt in self.optimizers:
                     self._engine.shard_optimizer(opt)
             if self._pipeline is not None:
@@ -390,6 +397,7 @@ class V17Strategy(ParallelStrategy):
             stage=self.zero_stage,
             mesh=self.mesh.device_mesh,
             bucket_mb=self.policy.zero.bucket_mb,
+            optimizer_partition=self.policy.zero.optimizer_partition,
             reshard_after_forward=self.policy.zero.reshard_after_forward,
             wrap_classes=self.policy.zero.wrap_classes,
             param_dtype=param_dtype,

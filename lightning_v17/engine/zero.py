@@ -84,6 +84,7 @@ class _Param:
     stop: int
     padded_rows: int  # ceil(rows / world): the size every rank's segment gets so that collectives have equal sizes
     shard: nn.Parameter | None = None  # the leaf the optimizer steps (stages 1/2): a view of the local rows
+    owner: int = -1  # partition="params": the dp_shard rank whose optimizer steps this whole parameter
 
     @property
     def seg_numel(self) -> int:
@@ -100,8 +101,39 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
 
 
+def _elementwise_optimizers() -> tuple[type, ...]:
+    """torch.optim classes whose update of an element depends only on that element's gradient and state (plus
+    scalars: lr, step count), so stepping a dim-0 slice of a parameter equals slicing the full step."""
+    o = torch.optim
+    names = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+    return tuple(getattr(o, n) for n in names if hasattr(o, n))
+
+
+def is_elementwise_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """True for the elementwise ``torch.optim`` optimizers (see :func:`_elementwise_optimizers`), subclasses
+    included. Anything else (Adafactor's factored rows/columns, LBFGS, Muon, bitsandbytes' block-quantized states,
+    third-party optimizers) is treated as needing whole parameters."""
+    return isinstance(optimizer, _elementwise_optimizers())
+
+
+PARTITIONS = ("auto", "rows", "params")
+
+
 class ZeroEngine:
     """Gradient reduction and optimizer sharding for ZeRO stages 0, 1 and 2 over replicated full parameters.
+
+    Two ways to partition the optimizer over the dp_shard ranks (``partition``):
+
+    * ``"rows"``: every parameter is split along dim 0 and each rank steps its rows (the FSDP2/DTensor ``Shard(0)``
+      layout; memory balanced to one row). Exact for elementwise optimizers only.
+    * ``"params"``: whole parameters are assigned to ranks (largest first, to the least-loaded rank, as torch's
+      ``ZeroRedundancyOptimizer`` does) and each rank steps the parameters it owns, then broadcasts them. Exact for
+      every optimizer whose update is computed per parameter (Adafactor's row/column factors, Muon's matrix
+      iterations, bitsandbytes' block-quantized states, ...), at the cost of a coarser memory balance. Optimizers
+      that couple all parameters (``torch.optim.LBFGS``) cannot be partitioned and are refused. Stage 2 then all-reduces gradients and each rank keeps only its own parameters' gradients (the
+      gradient memory after the step is partitioned; during backward a full bucket is alive).
+    * ``"auto"`` (default): "rows" when every optimizer is an elementwise ``torch.optim`` class
+      (:func:`is_elementwise_optimizer`), else "params".
 
     Args:
         module: the model; its trainable parameters are reduced (shared parameters once, under their first FQN).
@@ -113,6 +145,7 @@ class ZeroEngine:
             (``dp_replicate``, ``dp_shard``) for HSDP.
         bucket_mb: bucket size in MiB (DeepSpeed's ``reduce_bucket_size``).
         reduce_dtype: dtype of the gradient reduction (None: the gradient's own dtype).
+        partition: "auto", "rows" or "params" (see above).
     """
 
     def __init__(
@@ -125,10 +158,17 @@ class ZeroEngine:
         shard_mesh: Any = None,
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
+        partition: str = "auto",
     ) -> None:
+        if partition not in PARTITIONS:
+            raise V17ConfigError(f"optimizer_partition={partition!r}; choose one of {list(PARTITIONS)}")
         if stage not in (0, 1, 2):
             raise V17ConfigError(f"ZeroEngine handles zero_stage 0, 1 and 2, got {stage}; stage 3 uses apply_fsdp")
         self.stage = stage
+        self.partition = partition
+        #: "params" once :meth:`choose_partition` picked whole-parameter ownership
+        self.owner_mode = False
+        self._partition_chosen = False
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.shard_mesh = shard_mesh
@@ -172,6 +212,31 @@ class ZeroEngine:
         self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in self.params]
 
     # ------------------------------------------------------------------ optimizer sharding (stages 1/2)
+    def choose_partition(self, optimizers: Iterable[torch.optim.Optimizer]) -> str:
+        """Fix "rows" or "params" for every optimizer of the module (call once, before :meth:`shard_optimizer`)."""
+        optimizers = list(optimizers)
+        if self.stage > 0:
+            for o in optimizers:
+                if isinstance(o, torch.optim.LBFGS):
+                    raise V17ConfigError(
+                        f"torch.optim.LBFGS couples all parameters in one line search, so zero_stage={self.stage} "
+                        "cannot partition it; use zero_stage=0, or zero_stage=3 (FSDP2 keeps every rank's "
+                        "optimizer over the whole sharded model)"
+                    )
+        mode = self.partition
+        if mode == "auto":
+            mode = "rows" if all(is_elementwise_optimizer(o) for o in optimizers) else "params"
+        self.owner_mode = self.stage > 0 and mode == "params"
+        self._partition_chosen = True
+        if self.owner_mode:
+            loads = [0] * self.world
+            order = sorted(range(len(self.params)), key=lambda i: (-_local(self.params[i].param).numel(), i))
+            for i in order:  # largest first, to the least-loaded rank (lowest rank on ties): the same on every rank
+                r = min(range(self.world), key=lambda k: (loads[k], k))
+                self.params[i].owner = r
+                loads[r] += _local(self.params[i].param).numel()
+        return mode
+
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Rebuild ``optimizer`` in place over the local dim-0 shards (stage >= 1); returns the same object.
 
@@ -184,6 +249,8 @@ class ZeroEngine:
         """
         if self.stage == 0 or getattr(optimizer, "_v17_zero", None) is self:
             return optimizer
+        if not self._partition_chosen:
+            self.choose_partition([optimizer])
         if optimizer.state:
             raise RuntimeError("shard_optimizer must run before the first optimizer step (the optimizer has state)")
         for group in optimizer.param_groups:
@@ -195,6 +262,12 @@ class ZeroEngine:
                         "the optimizer holds a parameter that is not a trainable parameter of the LightningModule; "
                         "build optimizers from self.parameters() in configure_optimizers"
                     )
+                if self.owner_mode:
+                    if e.owner == self.rank:
+                        e.shard = e.param  # the optimizer steps the whole parameter; gather_params broadcasts it
+                        self.by_shard[id(e.param)] = e
+                        new.append(e.param)
+                    continue
                 if e.shard is None:
                     local = _rows(e.param.detach())[e.start : e.stop]
                     shape = _local(e.param).shape
@@ -246,7 +319,7 @@ class ZeroEngine:
 
     def _launch(self, b: _Bucket) -> None:
         dtype = self.reduce_dtype or self._grad(b.params[0]).dtype
-        if self.stage in (0, 1):
+        if self.stage in (0, 1) or self.owner_mode:
             b.buf = torch.cat([self._grad(e).reshape(-1).to(dtype) for e in b.params])
             b.buf.div_(self.dp)  # pre-divide: the mean over dp ranks, like DDP
             b.work = dist.all_reduce(b.buf, group=self._full_group(), async_op=True)
@@ -284,7 +357,7 @@ class ZeroEngine:
         self._next_launch = 0
         for b in self.buckets:
             b.work.wait()
-            if self.stage in (0, 1):
+            if self.stage in (0, 1) or self.owner_mode:
                 off = 0
                 for e in b.params:
                     n = _local(e.param).numel()
@@ -294,7 +367,10 @@ class ZeroEngine:
                     else:
                         _local(e.param.grad).copy_(flat)
                     off += n
-                    if self.stage == 1 and e.shard is not None:
+                    if self.owner_mode:
+                        if self.stage == 2 and e.owner != self.rank:
+                            e.param.grad = None  # stage 2: keep only the gradients this rank's optimizer steps
+                    elif self.stage == 1 and e.shard is not None:
                         local = _rows(e.param.grad)[e.start : e.stop]
                         e.shard.grad = local.view(e.shard.shape)  # a view: no extra memory
             else:
@@ -320,6 +396,9 @@ class ZeroEngine:
         """All-gather every rank's updated rows into the full parameters (stages 1/2), bucket by bucket."""
         if self.stage == 0:
             return
+        if self.owner_mode:
+            self._broadcast_owned()
+            return
         for b in self.buckets:
             dtype = b.params[0].param.dtype
             send = torch.zeros(b.seg_numel, dtype=dtype, device=_local(b.params[0].param).device)
@@ -337,6 +416,25 @@ class ZeroEngine:
                     full = recv[:, off : off + e.seg_numel].reshape(self.world * e.padded_rows, e.row_numel)
                     _rows(e.param.detach()).copy_(full[: e.rows])
                 off += e.seg_numel
+
+    @torch.no_grad()
+    def _broadcast_owned(self) -> None:
+        """partition="params": each rank broadcasts the parameters it stepped (one flat broadcast per owner)."""
+        if self.world == 1:
+            return
+        for r in range(self.world):
+            owned = [_local(e.param.detach()) for e in self.params if e.owner == r]
+            if not owned:
+                continue
+            flat = torch.cat([t.reshape(-1) for t in owned]) if r == self.rank else torch.empty(
+                sum(t.numel() for t in owned), dtype=owned[0].dtype, device=owned[0].device
+            )
+            dist.broadcast(flat, src=dist.get_global_rank(self.shard_group, r), group=self.shard_group)
+            if r != self.rank:
+                off = 0
+                for t in owned:
+                    t.copy_(flat[off : off + t.numel()].view_as(t))
+                    off += t.numel()
 
     # ------------------------------------------------------------------ state dicts (FQN keys, DTensor shards)
     @torch.no_grad()
@@ -379,6 +477,11 @@ class ZeroEngine:
         for idx, st in sd["state"].items():
             fqn = idx_to_fqn[idx]
             e = by_fqn[fqn]
+            if self.owner_mode:
+                # whole parameters, saved by their owner only (plain tensors, or the TP DTensor of a TP parameter);
+                # DCP reads them back into any layout (rows, FSDP2 shards, another owner)
+                state[fqn] = dict(st)
+                continue
             tp_param = isinstance(e.param, DTensor)
             out = {}
             for k, v in st.items():
@@ -426,6 +529,9 @@ class ZeroEngine:
             if fqn not in fqn_to_idx:
                 continue  # another pipeline stage's parameter
             e = by_fqn[fqn]
+            if self.owner_mode:
+                state[fqn_to_idx[fqn]] = dict(st)  # whole-parameter states, already in the template's layout
+                continue
             out = {}
             for k, v in st.items():
                 if isinstance(v, DTensor):
@@ -630,6 +736,7 @@ def apply_zero(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     offload_params: bool = False,
+    optimizer_partition: str = "auto",
 ) -> ZeroEngine | None:
     """Apply ZeRO ``stage`` to ``module`` over the data-parallel axes of ``mesh`` (a DeviceMesh with axes
     "dp_replicate", "dp_shard" and the flattened "dp"). Returns the :class:`ZeroEngine` for stages 0-2, None for 3.
@@ -658,6 +765,7 @@ def apply_zero(
         shard_mesh=shard_mesh,
         bucket_mb=bucket_mb,
         reduce_dtype=reduce_dtype,
+        partition=optimizer_partition,
     )
     engine.set_dp_group(mesh["dp"].get_group())
     return engine
