@@ -39,9 +39,20 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str) -> DeviceMesh:
         )
     names = tuple(a.value for a in AXIS_ORDER)
     mesh = init_device_mesh(device_type, spec.shape(), mesh_dim_names=names)
-    mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten("dp")
-    mesh[(Axis.DP_SHARD.value, Axis.CP.value)]._flatten("dp_shard_cp")
+    # Keep the flattened meshes ourselves: torch deprecates slicing a flattened dim from the root mesh
+    # ("Users need to bookkeep the flattened mesh directly"); submesh() reads them from here.
+    mesh._v17_flat = {  # type: ignore[attr-defined]
+        "dp": mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten("dp"),
+        "dp_shard_cp": mesh[(Axis.DP_SHARD.value, Axis.CP.value)]._flatten("dp_shard_cp"),
+    }
     return mesh
+
+
+def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh[name]``, where the flattened axes ("dp", "dp_shard_cp") come from :func:`build_device_mesh`'s own
+    bookkeeping (no deprecated slice of a flattened dim from the root mesh)."""
+    flat = getattr(mesh, "_v17_flat", None) or {}
+    return flat[name] if name in flat else mesh[name]
 
 
 @dataclass
@@ -52,13 +63,13 @@ class MeshRuntime:
     device_mesh: DeviceMesh
 
     def __getitem__(self, axis: str | Axis) -> DeviceMesh:
-        return self.device_mesh[str(axis)]
+        return submesh(self.device_mesh, str(axis))
 
     def rank(self, axis: str | Axis) -> int:
-        return self.device_mesh[str(axis)].get_local_rank()
+        return self[axis].get_local_rank()
 
     def group(self, axis: str | Axis):
-        return self.device_mesh[str(axis)].get_group()
+        return self[axis].get_group()
 
 
 class UnsetMesh:

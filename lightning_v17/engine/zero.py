@@ -767,7 +767,9 @@ def apply_zero(
         reduce_dtype=reduce_dtype,
         partition=optimizer_partition,
     )
-    engine.set_dp_group(mesh["dp"].get_group())
+    from lightning_v17.mesh import submesh
+
+    engine.set_dp_group(submesh(mesh, "dp").get_group())
     return engine
 
 
