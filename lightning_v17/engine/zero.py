@@ -775,11 +775,14 @@ def apply_zero(
 
 @torch.no_grad()
 def broadcast_module(module: nn.Module, *, group: Any) -> None:
-    """Make every replica start from the first rank's parameters and buffers (DDP's ``_sync_module_states``)."""
-    src = dist.get_global_rank(group, 0)
+    """Make every replica start from the first rank's parameters and buffers (DDP's ``_sync_module_states``).
+
+    ``_broadcast_coalesced`` takes the source as a rank *within* ``group`` (DDP passes 0 for its subgroups): the
+    group's first rank is 0 there, whatever its global rank (e.g. global rank 2 for the dp group of pp stage 1).
+    """
     tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
     if tensors and dist.get_world_size(group) > 1:
-        dist._broadcast_coalesced(group, [t.data for t in tensors], 250 * 2**20, src)
+        dist._broadcast_coalesced(group, [t.data for t in tensors], 250 * 2**20, 0)
 
 
 # ====================================================================== state dicts for DCP
