@@ -97,7 +97,9 @@ class V17Strategy(ParallelStrategy):
             schedule runs forward and backward inside ``training_step`` (the LightningModule's ``training_step`` /
             ``validation_step`` are not called; the strategy logs ``train_loss``, ``val_loss``,
             ``pipeline/bubble_fraction`` and ``pipeline/bubble_planned``), batches must be packed dicts, automatic
-            optimization is required and only zero_stage 0/1 compose with it (seed §17.5).
+            optimization is required and only zero_stage 0/1 compose with it (seed §17.5). The hooks
+            ``on_before_zero_grad`` and ``on_after_backward`` (once per step, gradients in place) still fire;
+            ``on_before_backward`` does not (forward and backward interleave per micro-batch).
         dp_replicate: replicated data-parallel groups (HSDP outer axis). With ``dp_shard`` > 1 this is HSDP.
         dp_shard: ranks over which ZeRO partitions; "auto" = world size / (pp * dp_replicate * cp * tp).
         cp: context-parallel size (reserved; must be 1).
@@ -576,7 +578,12 @@ class V17Strategy(ParallelStrategy):
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         # Lightning's own zero_grad is skipped (setup sets fit_loop._skip_backward): zero here, at the first batch of
         # each accumulation window, *before* the schedule accumulates this step's gradients.
+        from lightning.pytorch.trainer import call
+
         if batch_idx % trainer.accumulate_grad_batches == 0:
+            for opt in self.optimizers:  # the hook Lightning's skipped zero_grad would have called
+                call._call_callback_hooks(trainer, "on_before_zero_grad", opt)
+                call._call_lightning_module_hook(trainer, "on_before_zero_grad", opt)
             module.zero_grad(set_to_none=True)
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -588,6 +595,11 @@ class V17Strategy(ParallelStrategy):
             scale = (1.0 if scale is None else scale) / trainer.accumulate_grad_batches
         with self.precision_plugin.train_step_context():
             loss = pipeline_step(self._pipeline, batch, grad_sync=self._engine, loss_scale=scale)
+        # The schedule interleaves forward and backward per micro-batch, so there is no single moment "before
+        # backward" with the loss in hand: on_before_backward is not called. on_after_backward is, once, with this
+        # step's gradients accumulated and reduced (what grad-norm logging callbacks read).
+        call._call_callback_hooks(trainer, "on_after_backward")
+        call._call_lightning_module_hook(trainer, "on_after_backward")
         # LightningModule.training_step is not called under PP (the stages run the model), so log its loss here.
         bsz = batch["input_ids"].shape[0]
         module.log("train_loss", loss, prog_bar=True, batch_size=bsz)

@@ -63,9 +63,19 @@ def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     losses: list[float] = []
 
+    hooks: list[tuple[str, int]] = []
+
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(outputs["loss"]))
+
+        def on_before_zero_grad(self, trainer, pl_module, optimizer):
+            hooks.append(("zero", trainer.global_step))
+
+        def on_after_backward(self, trainer, pl_module):
+            # the gradients of this rank's stages are in place when the hook runs
+            with_grad = sum(p.grad is not None for p in pl_module.parameters() if p.requires_grad)
+            hooks.append(("after_backward", with_grad))
 
     strategy = V17Strategy(zero_stage=1, pp=2, pp_schedule="zbv", virtual_stages=2, microbatches=4)
     trainer = L.Trainer(
@@ -89,7 +99,7 @@ def _worker(rank: int, world: int) -> dict:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     # validate after fit reuses the split model (set up again after fit's teardown, not split a second time)
     again = trainer.validate(module, torch.utils.data.DataLoader(_Rows(), batch_size=4), verbose=False)
-    return {"losses": losses, "metrics": metrics, "validate": again[0]["val_loss"]}
+    return {"losses": losses, "metrics": metrics, "validate": again[0]["val_loss"], "hooks": hooks}
 
 
 @pytest.mark.timeout(200)
@@ -108,3 +118,8 @@ def test_pipeline_inside_lightning_trainer_matches_single_process():
         assert abs(r["metrics"]["train_loss"] - ref_losses[-1]) / ref_losses[-1] < RTOL, (rank, r["metrics"])
         assert r["metrics"]["pipeline/bubble_fraction"] >= 0.0, (rank, r["metrics"])
         assert 0.0 <= r["metrics"]["pipeline/bubble_planned"] < 1.0, (rank, r["metrics"])  # ZB-V plans ~0
+        # Lightning's hooks around backward still fire under PP: zero_grad before each step, after_backward after
+        # the schedule with this rank's gradients present
+        assert [h[0] for h in r["hooks"]] == ["zero", "after_backward"] * STEPS, (rank, r["hooks"])
+        assert [h[1] for h in r["hooks"] if h[0] == "zero"] == list(range(STEPS)), (rank, r["hooks"])
+        assert all(h[1] > 0 for h in r["hooks"] if h[0] == "after_backward"), (rank, r["hooks"])
