@@ -127,6 +127,12 @@ class LlamaLM(L.LightningModule):
         self._last_step_time = None  # validation time is not training throughput
         return loss
 
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """Token-mean loss on a held-out batch, logged as ``test_loss`` (``trainer.test``)."""
+        loss, _ = self.loss(batch)
+        self.log("test_loss", loss, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
     def _total_steps(self) -> int:
         if self.hparams.max_steps:
             return int(self.hparams.max_steps)

@@ -85,6 +85,8 @@ def _worker(rank: int, world: int) -> dict:
         max_steps=STEPS,
         val_check_interval=STEPS,
         limit_val_batches=2,
+        limit_test_batches=2,
+        limit_predict_batches=1,
         num_sanity_val_steps=1,  # the forward-only schedule also runs before the first training step
         logger=False,
         enable_checkpointing=False,
@@ -99,7 +101,32 @@ def _worker(rank: int, world: int) -> dict:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     # validate after fit reuses the split model (set up again after fit's teardown, not split a second time)
     again = trainer.validate(module, torch.utils.data.DataLoader(_Rows(), batch_size=4), verbose=False)
-    return {"losses": losses, "metrics": metrics, "validate": again[0]["val_loss"], "hooks": hooks}
+    # test goes through the same forward-only schedule and logs test_loss
+    tested = trainer.test(module, torch.utils.data.DataLoader(_Rows(), batch_size=4), verbose=False)
+    errors = {}
+    try:  # only the last stage would hold the outputs: refused with the fix
+        trainer.predict(module, torch.utils.data.DataLoader(_Rows(), batch_size=4))
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        errors["predict"] = f"{type(e).__name__}: {e}"
+
+    class Manual(type(_module())):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.automatic_optimization = False
+
+    manual = Manual(model="tiny", model_overrides=MODEL, lr=1e-3, warmup_steps=1, max_steps=STEPS)
+    try:  # the schedule runs backward itself: manual optimization is refused at setup
+        L.Trainer(
+            accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+            strategy=V17Strategy(zero_stage=1, pp=2, pp_schedule="1f1b", microbatches=2),
+        ).fit(manual, torch.utils.data.DataLoader(_Rows(), batch_size=4))
+    except Exception as e:  # noqa: BLE001
+        errors["manual"] = f"{type(e).__name__}: {e}"
+    return {
+        "losses": losses, "metrics": metrics, "validate": again[0]["val_loss"], "hooks": hooks,
+        "test": tested[0]["test_loss"], "errors": errors,
+    }  # fmt: skip
 
 
 @pytest.mark.timeout(200)
@@ -123,3 +150,7 @@ def test_pipeline_inside_lightning_trainer_matches_single_process():
         assert [h[0] for h in r["hooks"]] == ["zero", "after_backward"] * STEPS, (rank, r["hooks"])
         assert [h[1] for h in r["hooks"] if h[0] == "zero"] == list(range(STEPS)), (rank, r["hooks"])
         assert all(h[1] > 0 for h in r["hooks"] if h[0] == "after_backward"), (rank, r["hooks"])
+        # trainer.test runs the forward-only schedule over the same first 2 batches as validation
+        assert abs(r["test"] - ref_val) / ref_val < RTOL, (rank, r["test"], ref_val)
+        assert "predict with pp=2 is not supported" in r["errors"].get("predict", ""), (rank, r["errors"])
+        assert "manual optimization" in r["errors"].get("manual", ""), (rank, r["errors"])
