@@ -324,7 +324,7 @@ def _app_state(trainer: Trainer) -> dict[str, Any]:
     strategy = trainer.strategy
     optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
     if _is_v17(strategy):
-        from lightning_v17.engine.zero import get_state_dicts
+        from lightning_v17.engine.state_dict import get_state_dicts
 
         return get_state_dicts(strategy.model, optimizers, stage=strategy.zero_stage)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

@@ -57,6 +57,8 @@ from lightning_v17.config import (
 from lightning_v17.config import (
     Precision as V17Precision,
 )
+from lightning_v17.engine import fsdp as fsdp_engine
+from lightning_v17.engine import state_dict as state_engine
 from lightning_v17.engine import zero as zero_engine
 from lightning_v17.engine.clip import clip_grad_norm_
 from lightning_v17.engine.recompute import apply_activation_checkpointing
@@ -350,7 +352,7 @@ class V17Strategy(ParallelStrategy):
         if self.policy.gradient_accumulation_steps and trainer.accumulate_grad_batches == 1:
             trainer.accumulate_grad_batches = self.policy.gradient_accumulation_steps
         self.model = self.precision_plugin.convert_module(self.model)
-        if not zero_engine._has_meta(self.model):
+        if not fsdp_engine.has_meta(self.model):
             self.model_to_device()
         self.model = self._setup_model(self.model)
         self.barrier()
@@ -407,10 +409,10 @@ class V17Strategy(ParallelStrategy):
             offload_params=self.policy.offload.params == Tier.CPU,
         )
         if self.zero_stage == 3:
-            zero_engine.materialize_meta_module(model, device=self.root_device)
+            fsdp_engine.materialize_meta_module(model, device=self.root_device)
         else:
-            if zero_engine._has_meta(model):
-                zero_engine.materialize_meta_module(model, device=self.root_device)
+            if fsdp_engine.has_meta(model):
+                fsdp_engine.materialize_meta_module(model, device=self.root_device)
             zero_engine.broadcast_module(model, group=self.mesh.group("dp"))  # DDP: replicas start identical
         model._v17_setup_done = True
         return model
@@ -460,7 +462,7 @@ class V17Strategy(ParallelStrategy):
         )
 
     def _units(self, model: Module) -> list[Module]:
-        return zero_engine.find_wrap_units(model, self.policy.zero.wrap_classes)
+        return fsdp_engine.find_wrap_units(model, self.policy.zero.wrap_classes)
 
     def _mixed_precision_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy (stage 3) and the stage 0-2 reductions.
@@ -667,11 +669,11 @@ class V17Strategy(ParallelStrategy):
             finally:
                 self._engine.require_grad_sync = True
         elif self.zero_stage == 3 and self.model is not None:
-            zero_engine.set_requires_gradient_sync(self.model, False)
+            fsdp_engine.set_requires_gradient_sync(self.model, False)
             try:
                 yield None
             finally:
-                zero_engine.set_requires_gradient_sync(self.model, True)
+                fsdp_engine.set_requires_gradient_sync(self.model, True)
         else:
             yield None
 
@@ -706,7 +708,7 @@ class V17Strategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """FQN-keyed model state: full plain tensors (stages 0-2) or DTensor shards (stage 3), for DCP."""
         assert self.model is not None
-        return zero_engine.get_model_state(self.model)
+        return state_engine.get_model_state(self.model)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -718,7 +720,7 @@ class V17Strategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.model is not None
-        return zero_engine.get_optimizer_state(self.model, optimizer, stage=self.zero_stage)
+        return state_engine.get_optimizer_state(self.model, optimizer, stage=self.zero_stage)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -748,7 +750,7 @@ class V17Strategy(ParallelStrategy):
         app_state: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
         optim_states = checkpoint.pop("optimizer_states", [])
         if optim_states:
-            app_state["optim"] = zero_engine._merge_optim(optim_states)
+            app_state["optim"] = state_engine.merge_optim(optim_states)
         save_sharded(path, app_state=app_state, trainer_state=checkpoint, meta=self._meta(checkpoint))
 
     @override
@@ -763,12 +765,12 @@ class V17Strategy(ParallelStrategy):
                 "directories it writes (convert a full checkpoint by loading it into the module before fit)"
             )
         assert self.model is not None
-        app_state = zero_engine.get_state_dicts(self.model, self.optimizers, stage=self.zero_stage)
-        own_groups = zero_engine.param_group_lists(app_state)
+        app_state = state_engine.get_state_dicts(self.model, self.optimizers, stage=self.zero_stage)
+        own_groups = state_engine.param_group_lists(app_state)
         trainer_state, _meta = load_sharded(path, app_state=app_state)
         # A checkpoint from another pipeline split lists other stages' FQNs in its param groups: keep our own.
-        zero_engine.restore_param_group_lists(app_state, own_groups)
-        zero_engine.set_state_dicts(self.model, self.optimizers, app_state, stage=self.zero_stage)
+        state_engine.restore_param_group_lists(app_state, own_groups)
+        state_engine.set_state_dicts(self.model, self.optimizers, app_state, stage=self.zero_stage)
         return trainer_state
 
     @override

@@ -12,7 +12,8 @@
   backward, the full gradients of the buckets still in flight (at most the whole model when communication is slower
   than backward). During gradient accumulation (``require_grad_sync=False``) the full gradients accumulate locally and
   stay resident until the last micro-step, which communicates once.
-* Stage 3: FSDP2 ``fully_shard`` per unit (the repeated blocks) plus the residual top-level modules.
+* Stage 3: FSDP2 ``fully_shard`` per unit (the repeated blocks) plus the residual top-level modules
+  (:mod:`lightning_v17.engine.fsdp`). State dicts for DCP, every stage: :mod:`lightning_v17.engine.state_dict`.
 
 Because stages 1, 2 and 3 all use the same dim-0 ``torch.chunk`` partition and the same fully-qualified names (FQNs),
 their optimizer state dicts are interchangeable: stages 1/2 report their shards as ``DTensor``s with ``Shard(0)``
@@ -30,23 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.collectives import all_gather, install_fsdp_comms, reduce_scatter
+from lightning_v17.engine.collectives import all_gather, reduce_scatter
+from lightning_v17.engine.fsdp import apply_fsdp
 
-__all__ = [
-    "ZeroEngine",
-    "apply_fsdp",
-    "apply_zero",
-    "chunk_rows",
-    "find_wrap_units",
-    "get_model_state",
-    "get_optimizer_state",
-    "get_state_dicts",
-    "materialize_meta_module",
-    "param_group_lists",
-    "restore_param_group_lists",
-    "set_requires_gradient_sync",
-    "set_state_dicts",
-]
+__all__ = ["ZeroEngine", "apply_zero", "broadcast_module", "chunk_rows", "is_elementwise_optimizer"]
 
 
 def chunk_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
@@ -564,167 +552,6 @@ class ZeroEngine:
         self._hooks = []
 
 
-# ====================================================================== stage 3 (FSDP2)
-def find_wrap_units(module: nn.Module, wrap_classes: Sequence[str] = ()) -> list[nn.Module]:
-    """The modules that become ZeRO-3 units, outermost first.
-
-    With ``wrap_classes`` (class names), every module of one of those classes (not nested in another match).
-    Otherwise the children of every ``nn.ModuleList``, and of every ``nn.ModuleDict`` whose children share one class
-    (the repeated transformer blocks), as torchtitan and Lightning's docs shard them.
-    """
-    names = set(wrap_classes)
-    units: list[nn.Module] = []
-    taken: set[int] = set()
-
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            if names:
-                if type(child).__name__ in names:
-                    units.append(child)
-                    continue
-            elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                blocks = list(child.children())
-                repeated = isinstance(child, nn.ModuleList) or len({type(b) for b in blocks}) == 1
-                if repeated and blocks and any(True for _ in child.parameters()):
-                    for b in blocks:
-                        if id(b) not in taken and any(True for _ in b.parameters()):
-                            taken.add(id(b))
-                            units.append(b)
-                    continue
-            visit(child)
-
-    visit(module)
-    if names and not units:
-        raise V17ConfigError(
-            f"wrap_classes={sorted(names)} matched no submodule; use class names of the model's blocks, e.g. "
-            f"{sorted({type(m).__name__ for m in module.modules()})[:8]}"
-        )
-    return units
-
-
-def apply_fsdp(
-    module: nn.Module,
-    *,
-    mesh: Any,
-    reshard_after_forward: bool | None = None,
-    wrap_classes: Sequence[str] = (),
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    offload_params: bool = False,
-) -> list[nn.Module]:
-    """ZeRO-3 with FSDP2: ``fully_shard`` each unit, then the residual top-level children as one group.
-
-    The root ``module`` itself (a LightningModule) is not converted: FSDP2 swaps the class of every module it shards,
-    and Lightning inspects the LightningModule's class. Its direct children that own parameters outside the units
-    form one FSDP group (``fully_shard([children...])``).
-
-    Args:
-        module: the model (parameters may be on the meta device: FSDP2 shards meta tensors too).
-        mesh: 1-D ``dp_shard`` mesh, or the 2-D (``dp_replicate``, ``dp_shard``) mesh for HSDP.
-        reshard_after_forward: free each unit's gathered parameters after its forward. None (default): True for
-            every unit except the last one and the residual group (embeddings, norm, head), which backward needs
-            first, so they stay gathered from forward to backward as in FSDP2's root and torchtitan.
-        wrap_classes: unit class names (empty: auto-detect repeated blocks).
-        param_dtype: compute dtype (FSDP2 ``MixedPrecisionPolicy.param_dtype``); the sharded fp32 parameter is the
-            master copy.
-        reduce_dtype: gradient reduce-scatter dtype (fp32 for mixed precision).
-        offload_params: keep sharded parameters (and gradients) on CPU (FSDP2 ``CPUOffloadPolicy``).
-
-    Returns:
-        The modules that were sharded (units first, then the residual group members).
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    rsf = True if reshard_after_forward is None else bool(reshard_after_forward)
-    kw = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "offload_policy": CPUOffloadPolicy() if offload_params else OffloadPolicy(),
-    }
-    units = find_wrap_units(module, wrap_classes)
-    for i, u in enumerate(units):
-        # torchtitan's optimization: by default the last unit is not resharded after forward, because backward
-        # starts with it and would all-gather it again at once (one all-gather of one block saved per step).
-        last_default = reshard_after_forward is None and i == len(units) - 1
-        fully_shard(u, reshard_after_forward=False if last_default else rsf, **kw)
-    unit_ids = {id(u) for u in units}
-    residual = [c for c in module.children() if id(c) not in unit_ids and any(True for _ in c.parameters())]
-    if any(True for _ in module.parameters(recurse=False)):
-        raise V17ConfigError(
-            f"{type(module).__name__} owns parameters directly; zero_stage=3 shards submodules, so move them into a "
-            "submodule (e.g. self.model = ...) or use zero_stage=2"
-        )
-    # The residual group (embeddings, final norm, head) runs last in forward and first in backward. Freeing it after
-    # forward only to all-gather it again at once costs one extra all-gather per step (for a 128k vocab: the
-    # embedding and head, ~2 GB in bf16). FSDP2 keeps its root unsharded for this reason; with the default
-    # (reshard_after_forward=None) we do the same. An explicit True is honoured.
-    root_rsf = False if reshard_after_forward is None else rsf
-    if len(residual) == 1:
-        fully_shard(residual[0], reshard_after_forward=root_rsf, **kw)
-    elif residual:
-        fully_shard(residual, reshard_after_forward=root_rsf, **kw)
-    sharded = units + residual
-    # On gloo, reduce-scatter and all-gather as one all_to_all each (engine/collectives.py: ~2x and ~1.5x faster);
-    # NCCL keeps FSDP2's native collectives.
-    shard_group = mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
-    if residual and len(residual) > 1:
-        fsdp_modules = units + [residual[0]]  # fully_shard([a, b]) makes one group, reachable through any member
-    else:
-        fsdp_modules = sharded
-    install_fsdp_comms(fsdp_modules, shard_group)
-    return sharded
-
-
-def _has_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-
-
-@torch.no_grad()
-def materialize_meta_module(module: nn.Module, *, device: torch.device) -> None:
-    """Allocate only the local shards of a meta-initialized (and already sharded) model, then initialize them.
-
-    ``to_empty`` allocates each parameter's local storage (the shard, for FSDP2 DTensors); then the outermost
-    submodules that define ``init_weights()`` re-initialize themselves (torchtitan's convention), and every other
-    module with parameters calls ``reset_parameters()``. The full model is never materialized on one rank.
-
-    Raises:
-        V17ConfigError: if a module with parameters has neither method (its weights would be uninitialized memory).
-    """
-    if not _has_meta(module):
-        return
-    module.to_empty(device=device)
-    covered: set[int] = set()
-    for m in module.modules():
-        if id(m) in covered:
-            continue
-        if callable(getattr(m, "init_weights", None)):
-            m.init_weights()
-            covered.update(id(x) for x in m.modules())
-    missing = set()
-    for m in module.modules():
-        if id(m) in covered or not any(True for _ in m.parameters(recurse=False)):
-            continue
-        if callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
-        else:
-            missing.add(type(m).__name__)
-    if missing:
-        raise V17ConfigError(
-            f"deferred init (zero_stage=3 builds configure_model on the meta device) cannot initialize "
-            f"{sorted(missing)}: give them reset_parameters() or an init_weights() on an enclosing module, or build "
-            f"the model in __init__ instead of configure_model"
-        )
-
-
-def set_requires_gradient_sync(module: nn.Module, requires: bool) -> None:
-    """FSDP2's ``no_sync``: toggle gradient reduce-scatter on every FSDP module under ``module``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.set_requires_gradient_sync(requires, recurse=False)
-
-
 def apply_zero(
     module: nn.Module,
     *,
@@ -783,103 +610,3 @@ def broadcast_module(module: nn.Module, *, group: Any) -> None:
     tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
     if tensors and dist.get_world_size(group) > 1:
         dist._broadcast_coalesced(group, [t.data for t in tensors], 250 * 2**20, 0)
-
-
-# ====================================================================== state dicts for DCP
-def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-
-
-def get_model_state(module: nn.Module) -> dict[str, Any]:
-    """FQN-keyed model state dict: plain full tensors (stages 0-2) or DTensor shards (stage 3)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
-
-
-def get_optimizer_state(module: nn.Module, optimizer: Any, *, stage: int) -> dict[str, Any]:
-    """FQN-keyed optimizer state dict, initializing empty state (a zero-lr step, as torch's state_dict API does) so
-    that DCP has tensors to load into."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        _init_optim_state,
-        get_optimizer_state_dict,
-    )
-
-    opt = _plain_optimizer(optimizer)
-    engine = getattr(opt, "_v17_zero", None)
-    if engine is not None and stage in (1, 2):
-        _init_optim_state(opt)
-        return engine.optimizer_state_dict(opt)
-    return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=False))
-
-
-def _merge_optim(states: list[dict[str, Any]]) -> dict[str, Any]:
-    return states[0] if len(states) == 1 else {f"optimizer_{i}": s for i, s in enumerate(states)}
-
-
-def get_state_dicts(module: nn.Module, optimizers: Iterable[Any], *, stage: int) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` ready for DCP; the same FQN layout for every stage (so it reshards).
-
-    With several optimizers, ``"optim"`` is ``{"optimizer_0": ..., "optimizer_1": ...}``.
-    """
-    optimizers = list(optimizers)
-    out: dict[str, Any] = {"model": get_model_state(module)}
-    if optimizers:
-        out["optim"] = _merge_optim([get_optimizer_state(module, o, stage=stage) for o in optimizers])
-    return out
-
-
-def _optim_states(app_state: dict[str, Any]) -> list[dict[str, Any]]:
-    optim = app_state.get("optim")
-    if optim is None:
-        return []
-    return [optim] if "param_groups" in optim else [optim[k] for k in sorted(optim)]
-
-
-def param_group_lists(app_state: dict[str, Any]) -> list[list[list[Any]]]:
-    """The ``params`` list of every optimizer param group in ``app_state`` (for :func:`restore_param_group_lists`)."""
-    return [[list(g["params"]) for g in osd["param_groups"]] for osd in _optim_states(app_state)]
-
-
-def restore_param_group_lists(app_state: dict[str, Any], lists: list[list[list[Any]]]) -> None:
-    """Put this rank's own ``params`` lists back into the param groups that ``dcp.load`` replaced.
-
-    ``param_groups`` is a non-tensor entry: DCP saves one rank's copy and loads that copy on every rank. Under
-    pipeline parallelism the saving ranks hold different parameters, so the copy lists another stage's FQNs; the
-    hyperparameters (lr, betas, ...) are the same on every rank and are kept from the checkpoint.
-    """
-    for osd, own in zip(_optim_states(app_state), lists):
-        groups = osd["param_groups"]
-        if len(groups) != len(own):
-            raise V17ConfigError(
-                f"the checkpoint's optimizer has {len(groups)} param groups but configure_optimizers builds "
-                f"{len(own)}; build the same param groups as the run that saved it"
-            )
-        osd["param_groups"] = [{**g, "params": params} for g, params in zip(groups, own)]
-
-
-def set_state_dicts(module: nn.Module, optimizers: Iterable[Any], app_state: dict[str, Any], *, stage: int) -> None:
-    """Load ``app_state`` (as filled in place by ``dcp.load``) into the module and optimizers."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=False)
-    set_model_state_dict(module, app_state["model"], options=opts)
-    optimizers = [_plain_optimizer(o) for o in optimizers]
-    if not optimizers or "optim" not in app_state:
-        return
-    states = (
-        [app_state["optim"]]
-        if len(optimizers) == 1
-        else [app_state["optim"][f"optimizer_{i}"] for i in range(len(optimizers))]
-    )
-    for opt, osd in zip(optimizers, states):
-        engine = getattr(opt, "_v17_zero", None)
-        if engine is not None and stage in (1, 2):
-            engine.load_optimizer_state_dict(opt, osd)
-        else:
-            set_optimizer_state_dict(module, opt, osd, options=opts)

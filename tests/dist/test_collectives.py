@@ -47,7 +47,7 @@ def _fsdp_grads(rank: int, world: int, native: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_v17.engine.collectives import FSDPAllToAllAllGather, FSDPAllToAllReduceScatter
-    from lightning_v17.engine.zero import apply_fsdp
+    from lightning_v17.engine.fsdp import apply_fsdp
 
     torch.manual_seed(0)
     class Net(nn.Module):

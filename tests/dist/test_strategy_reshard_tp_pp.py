@@ -203,6 +203,7 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
     import torch.nn.functional as F
 
     from lightning_v17.config import MeshSpec
+    from lightning_v17.engine import state_dict as SD
     from lightning_v17.engine import zero as Z
     from lightning_v17.engine.checkpoint import load_sharded, save_sharded
     from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
@@ -239,14 +240,14 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
     model, engine, opt = build(MeshSpec(dp_shard=2, tp=2))
     step(model, opt, engine)  # every dp rank sees the same rows: the dp mean is the single-process gradient
     path = Path(root) / "tp_dp"
-    save_sharded(path, app_state=Z.get_state_dicts(model, [opt], stage=1), trainer_state={}, meta={})
+    save_sharded(path, app_state=SD.get_state_dicts(model, [opt], stage=1), trainer_state={}, meta={})
 
     model2, engine2, opt2 = build(MeshSpec(dp_shard=4))
-    app = Z.get_state_dicts(model2, [opt2], stage=1)
-    own = Z.param_group_lists(app)
+    app = SD.get_state_dicts(model2, [opt2], stage=1)
+    own = SD.param_group_lists(app)
     load_sharded(path, app_state=app)
-    Z.restore_param_group_lists(app, own)
-    Z.set_state_dicts(model2, [opt2], app, stage=1)
+    SD.restore_param_group_lists(app, own)
+    SD.set_state_dicts(model2, [opt2], app, stage=1)
     errs: dict[str, float] = {}
     for name, p in model2.named_parameters():
         errs[f"param {name}"] = _rel(p.detach(), dict(ref.named_parameters())[name].detach())

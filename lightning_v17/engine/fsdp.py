@@ -1,0 +1,180 @@
+"""ZeRO-3 with FSDP2: wrap units, ``fully_shard``, deferred (meta-device) init and ``no_sync``.
+
+Stage 3 shards parameters, gradients and optimizer state with FSDP2 ``fully_shard`` per unit (the repeated blocks,
+found automatically or named by class) plus one group for the residual top-level modules; on gloo the unit groups
+use the all-to-all collectives of :mod:`lightning_v17.engine.collectives`. Stages 0-2 are
+:mod:`lightning_v17.engine.zero`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_v17.config import V17ConfigError
+from lightning_v17.engine.collectives import install_fsdp_comms
+
+__all__ = ["apply_fsdp", "find_wrap_units", "has_meta", "materialize_meta_module", "set_requires_gradient_sync"]
+
+
+def find_wrap_units(module: nn.Module, wrap_classes: Sequence[str] = ()) -> list[nn.Module]:
+    """The modules that become ZeRO-3 units, outermost first.
+
+    With ``wrap_classes`` (class names), every module of one of those classes (not nested in another match).
+    Otherwise the children of every ``nn.ModuleList``, and of every ``nn.ModuleDict`` whose children share one class
+    (the repeated transformer blocks), as torchtitan and Lightning's docs shard them.
+    """
+    names = set(wrap_classes)
+    units: list[nn.Module] = []
+    taken: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if names:
+                if type(child).__name__ in names:
+                    units.append(child)
+                    continue
+            elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                blocks = list(child.children())
+                repeated = isinstance(child, nn.ModuleList) or len({type(b) for b in blocks}) == 1
+                if repeated and blocks and any(True for _ in child.parameters()):
+                    for b in blocks:
+                        if id(b) not in taken and any(True for _ in b.parameters()):
+                            taken.add(id(b))
+                            units.append(b)
+                    continue
+            visit(child)
+
+    visit(module)
+    if names and not units:
+        raise V17ConfigError(
+            f"wrap_classes={sorted(names)} matched no submodule; use class names of the model's blocks, e.g. "
+            f"{sorted({type(m).__name__ for m in module.modules()})[:8]}"
+        )
+    return units
+
+
+def apply_fsdp(
+    module: nn.Module,
+    *,
+    mesh: Any,
+    reshard_after_forward: bool | None = None,
+    wrap_classes: Sequence[str] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    offload_params: bool = False,
+) -> list[nn.Module]:
+    """ZeRO-3 with FSDP2: ``fully_shard`` each unit, then the residual top-level children as one group.
+
+    The root ``module`` itself (a LightningModule) is not converted: FSDP2 swaps the class of every module it shards,
+    and Lightning inspects the LightningModule's class. Its direct children that own parameters outside the units
+    form one FSDP group (``fully_shard([children...])``).
+
+    Args:
+        module: the model (parameters may be on the meta device: FSDP2 shards meta tensors too).
+        mesh: 1-D ``dp_shard`` mesh, or the 2-D (``dp_replicate``, ``dp_shard``) mesh for HSDP.
+        reshard_after_forward: free each unit's gathered parameters after its forward. None (default): True for
+            every unit except the last one and the residual group (embeddings, norm, head), which backward needs
+            first, so they stay gathered from forward to backward as in FSDP2's root and torchtitan.
+        wrap_classes: unit class names (empty: auto-detect repeated blocks).
+        param_dtype: compute dtype (FSDP2 ``MixedPrecisionPolicy.param_dtype``); the sharded fp32 parameter is the
+            master copy.
+        reduce_dtype: gradient reduce-scatter dtype (fp32 for mixed precision).
+        offload_params: keep sharded parameters (and gradients) on CPU (FSDP2 ``CPUOffloadPolicy``).
+
+    Returns:
+        The modules that were sharded (units first, then the residual group members).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    rsf = True if reshard_after_forward is None else bool(reshard_after_forward)
+    kw = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy() if offload_params else OffloadPolicy(),
+    }
+    units = find_wrap_units(module, wrap_classes)
+    for i, u in enumerate(units):
+        # torchtitan's optimization: by default the last unit is not resharded after forward, because backward
+        # starts with it and would all-gather it again at once (one all-gather of one block saved per step).
+        last_default = reshard_after_forward is None and i == len(units) - 1
+        fully_shard(u, reshard_after_forward=False if last_default else rsf, **kw)
+    unit_ids = {id(u) for u in units}
+    residual = [c for c in module.children() if id(c) not in unit_ids and any(True for _ in c.parameters())]
+    if any(True for _ in module.parameters(recurse=False)):
+        raise V17ConfigError(
+            f"{type(module).__name__} owns parameters directly; zero_stage=3 shards submodules, so move them into a "
+            "submodule (e.g. self.model = ...) or use zero_stage=2"
+        )
+    # The residual group (embeddings, final norm, head) runs last in forward and first in backward. Freeing it after
+    # forward only to all-gather it again at once costs one extra all-gather per step (for a 128k vocab: the
+    # embedding and head, ~2 GB in bf16). FSDP2 keeps its root unsharded for this reason; with the default
+    # (reshard_after_forward=None) we do the same. An explicit True is honoured.
+    root_rsf = False if reshard_after_forward is None else rsf
+    if len(residual) == 1:
+        fully_shard(residual[0], reshard_after_forward=root_rsf, **kw)
+    elif residual:
+        fully_shard(residual, reshard_after_forward=root_rsf, **kw)
+    sharded = units + residual
+    # On gloo, reduce-scatter and all-gather as one all_to_all each (engine/collectives.py: ~2x and ~1.5x faster);
+    # NCCL keeps FSDP2's native collectives.
+    shard_group = mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
+    if residual and len(residual) > 1:
+        fsdp_modules = units + [residual[0]]  # fully_shard([a, b]) makes one group, reachable through any member
+    else:
+        fsdp_modules = sharded
+    install_fsdp_comms(fsdp_modules, shard_group)
+    return sharded
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@torch.no_grad()
+def materialize_meta_module(module: nn.Module, *, device: torch.device) -> None:
+    """Allocate only the local shards of a meta-initialized (and already sharded) model, then initialize them.
+
+    ``to_empty`` allocates each parameter's local storage (the shard, for FSDP2 DTensors); then the outermost
+    submodules that define ``init_weights()`` re-initialize themselves (torchtitan's convention), and every other
+    module with parameters calls ``reset_parameters()``. The full model is never materialized on one rank.
+
+    Raises:
+        V17ConfigError: if a module with parameters has neither method (its weights would be uninitialized memory).
+    """
+    if not has_meta(module):
+        return
+    module.to_empty(device=device)
+    covered: set[int] = set()
+    for m in module.modules():
+        if id(m) in covered:
+            continue
+        if callable(getattr(m, "init_weights", None)):
+            m.init_weights()
+            covered.update(id(x) for x in m.modules())
+    missing = set()
+    for m in module.modules():
+        if id(m) in covered or not any(True for _ in m.parameters(recurse=False)):
+            continue
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+        else:
+            missing.add(type(m).__name__)
+    if missing:
+        raise V17ConfigError(
+            f"deferred init (zero_stage=3 builds configure_model on the meta device) cannot initialize "
+            f"{sorted(missing)}: give them reset_parameters() or an init_weights() on an enclosing module, or build "
+            f"the model in __init__ instead of configure_model"
+        )
+
+
+def set_requires_gradient_sync(module: nn.Module, requires: bool) -> None:
+    """FSDP2's ``no_sync``: toggle gradient reduce-scatter on every FSDP module under ``module``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(requires, recurse=False)
