@@ -201,6 +201,15 @@ def write_result(path: str, timer: StepTimer, shape: GPTShape, world_size: int, 
 # ---------------------------------------------------------------------------------------------------- the launcher
 
 
+def emit_json(report: dict, path: str | None) -> None:
+    """Print a benchmark's JSON report and, with ``path`` (``--json-out``), also write it there."""
+    text = json.dumps(report, indent=1)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
 def free_port() -> int:
     """A free TCP port chosen by the OS (bind to port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -13,12 +13,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # after the path insert, so the script runs from anywhere (spawned ranks re-import it too)
 
 
 def _worker(rank: int, port: int, sizes: list[int], iters: int, queue) -> None:
@@ -69,9 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch.multiprocessing as mp
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = C.free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     procs = [ctx.Process(target=_worker, args=(r, port, sizes, args.iters, queue)) for r in range(2)]
@@ -95,11 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         "iters": args.iters,
         "results_by_input_numel": results,
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    C.emit_json(report, args.json_out)
     return report
 
 

@@ -14,10 +14,11 @@ configurations' allocations had left fragmented, and the first touch of fresh pa
 VM, ~26k page faults and ~0.3 s of system time per forward) made its last forwards up to 4x slower. The ratio to
 raw ``torch.distributed.pipelining`` is measured in one more process pair per m that runs our 1F1B and the raw 1F1B
 interleaved step by step (A B A B ...; both have the same memory pattern), so both see the same machine state: two
-separate process pairs minutes apart differed by up to 5% from run to run. Each iteration is zero_grad, a barrier, the schedule step, a barrier (``schedule_s``: the wall clock of
-the slowest rank, i.e. the pipeline's real step), the optimizer step, a barrier (``iter_s``, used for tokens/s). Busy time is what the engine's ``BubbleTimer`` records on each rank (stage forward,
-backward, weight-backward and loss compute). Reported per configuration (median over ranks x timed steps, robust to
-a step disturbed by other processes on the machine):
+separate process pairs minutes apart differed by up to 5% from run to run. Each iteration is zero_grad, a barrier,
+the schedule step, a barrier (``schedule_s``: the wall clock of the slowest rank, i.e. the pipeline's real step),
+the optimizer step, a barrier (``iter_s``, used for tokens/s). Busy time is what the engine's ``BubbleTimer``
+records on each rank (stage forward, backward, weight-backward and loss compute). Reported per configuration
+(median over ranks x timed steps, robust to a step disturbed by other processes on the machine):
 
 * ``bubble_measured`` = idle / busy = step / busy - 1 (Narayanan 2021 §2.2's definition, the one the planner's
   ``bubble_fraction`` predicts: (p-1)/m for GPipe and 1F1B);
@@ -42,13 +43,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import socket
 import statistics
 import sys
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # after the path insert, so the script runs from anywhere (spawned ranks re-import it too)
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2)]
 # vocab 64 keeps the head + loss of the last stage small (~2% of a block): (p-1)/m assumes equal stage times, and
@@ -58,12 +61,6 @@ SEQ = 128
 # 8 rows per micro-batch: each send/recv and schedule action has a fixed cost on CPU gloo that (p-1)/m leaves out;
 # with 2 rows it was ~10% of a micro-batch's compute and inflated every measured bubble.
 ROWS_PER_MICROBATCH = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(m: int, step: int) -> dict:
@@ -209,7 +206,7 @@ def _launch(key: str, args: argparse.Namespace, timeout_s: float = 600.0) -> dic
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = C.free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, key, args, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -355,11 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
         "checks": checks,
         "wall_s": round(time.time() - t0, 1),
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text)
+    C.emit_json(report, args.json_out)
     return report
 
 

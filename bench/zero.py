@@ -320,11 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "wall_s": round(time.monotonic() - t_start, 1),
     }
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    C.emit_json(out, args.json_out)
     return out
 
 

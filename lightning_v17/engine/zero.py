@@ -118,8 +118,9 @@ class ZeroEngine:
       ``ZeroRedundancyOptimizer`` does) and each rank steps the parameters it owns, then broadcasts them. Exact for
       every optimizer whose update is computed per parameter (Adafactor's row/column factors, Muon's matrix
       iterations, bitsandbytes' block-quantized states, ...), at the cost of a coarser memory balance. Optimizers
-      that couple all parameters (``torch.optim.LBFGS``) cannot be partitioned and are refused. Stage 2 then all-reduces gradients and each rank keeps only its own parameters' gradients (the
-      gradient memory after the step is partitioned; during backward a full bucket is alive).
+      that couple all parameters (``torch.optim.LBFGS``) cannot be partitioned and are refused. Stage 2 then
+      all-reduces gradients and each rank keeps only its own parameters' gradients (the gradient memory after the
+      step is partitioned; during backward a full bucket is alive).
     * ``"auto"`` (default): "rows" when every optimizer is an elementwise ``torch.optim`` class
       (:func:`is_elementwise_optimizer`), else "params".
 

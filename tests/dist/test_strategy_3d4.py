@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._dist import spawn
-from tests.dist.test_strategy_tp_pp import CLIP, STEPS, _fit
+from tests.dist.test_strategy_tp_pp import _fit, reference  # noqa: F401 - reference: the shared 1-process fixture
 
 CASES4 = {
     "tp2_dp2_zero3": {"tp": 2, "dp_shard": 2, "zero_stage": 3},
@@ -37,19 +37,12 @@ def results() -> list[dict]:
     return spawn(_worker, world_size=4, timeout=400, init_process_group=False)
 
 
-@pytest.fixture(scope="module")
-def reference() -> list[float]:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    norms: list[float] = []
-    losses = _fit("auto", 1, norms)
-    assert len(norms) == STEPS and min(norms) > 2 * CLIP, norms
-    return losses
-
-
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("name", list(CASES4))
-def test_two_axes_in_a_trainer_match_single_process(results: list[dict], reference: list[float], name: str) -> None:
+def test_two_axes_in_a_trainer_match_single_process(
+    results: list[dict],
+    reference: list[float],  # noqa: F811 - the fixture imported above
+    name: str,
+) -> None:
     for res in results:
         assert res[name] == pytest.approx(reference, rel=1e-5), (name, res[name], reference)

@@ -18,11 +18,9 @@ from tests.dist.test_zero_parity import (
     STEPS,
     _assert_params_close,
     _full_params,
+    _lit_cls,
     _rel,
-    loss_fn,
     make_data,
-    make_model,
-    make_optimizer,
     reference,
 )
 
@@ -33,27 +31,14 @@ CASES = {"s1": {"stage": 1}, "s2": {"stage": 2}, "s3": {"stage": 3}, "s3_clip": 
 def _fit(case: dict) -> dict:
     import lightning as L
     import torch.distributed as dist
+    from lightning_v17.strategies import V17Strategy
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from lightning_v17.strategies import V17Strategy
-
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = make_model()
-            self.losses: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            loss = loss_fn(self.model(batch[0]), batch[1])
-            self.losses.append(loss.detach().item())
-            return loss
-
+    class Lit(_lit_cls()):
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            super().on_train_batch_end(outputs, batch, batch_idx)
             mesh = self.trainer.strategy.mesh.spec
             self.mesh = (mesh.dp_replicate, mesh.dp_shard)
-
-        def configure_optimizers(self):
-            return make_optimizer(self.parameters())
 
     x, y = make_data(STEPS * WORLD4 * PER_RANK4)
     ds = TensorDataset(x, y)

@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from tests._dist import spawn
-from tests.dist.test_zero_parity import PER_RANK_BATCH, WORLD, _full_params, loss_fn, make_data, make_model
+from tests.dist.test_zero_parity import (
+    PER_RANK_BATCH,
+    WORLD,
+    _full_params,
+    _lit_cls,
+    loss_fn,
+    make_data,
+    make_model,
+)
 
 STEPS = 5
 LR = 1e-2
@@ -55,31 +63,18 @@ def reference(opt_name: str, steps: int = STEPS) -> dict:
 def _fit(case: dict, tmp: str) -> dict:
     import lightning as L
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
     from lightning_v17.strategies import V17Strategy
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     make_opt = OPTIMIZERS[case["opt"]]
 
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = make_model()
-            self.losses: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            loss = loss_fn(self.model(batch[0]), batch[1])
-            self.losses.append(loss.detach().item())
-            return loss
-
+    class Lit(_lit_cls(make_opt)):
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            super().on_train_batch_end(outputs, batch, batch_idx)
             self.owner_mode = bool(self.trainer.strategy._engine.owner_mode)
             opt = self.trainer.optimizers[0]
             states = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
             self.opt_state_numel = sum(v.numel() for v in states)
-
-        def configure_optimizers(self):
-            return make_opt(self.parameters())
 
     x, y = make_data(WORLD * PER_RANK_BATCH)
     ds = TensorDataset(x, y)

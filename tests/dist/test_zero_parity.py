@@ -122,7 +122,9 @@ def _memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"param": p_bytes, "grad": g_bytes, "optimizer": o_bytes}
 
 
-def _lit_cls():
+def _lit_cls(make_opt=None):
+    """The LightningModule of these tests: TinyLM, per-rank losses and storage-counted memory recorded each batch,
+    ``make_opt`` (default :func:`make_optimizer`) over its parameters."""
     import lightning as L
 
     class LitTiny(L.LightningModule):
@@ -142,7 +144,7 @@ def _lit_cls():
             self.memory = _memory(self, self.trainer.optimizers[0])
 
         def configure_optimizers(self):
-            return make_optimizer(self.parameters())
+            return (make_opt or make_optimizer)(self.parameters())
 
     return LitTiny
 
