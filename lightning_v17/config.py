@@ -325,14 +325,9 @@ class PipelinePolicy:
         object.__setattr__(self, "schedule", Schedule.parse(self.schedule))
         _check_positive_int("microbatches", self.microbatches)
         _check_positive_int("virtual_stages", self.virtual_stages)
-        multi = self.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE, Schedule.ZB_H2)
-        if multi and self.virtual_stages < 2:
-            raise V17ConfigError(
-                f"pp_schedule={self.schedule.value!r} needs virtual_stages >= 2 (model chunks per rank); "
-                f"set virtual_stages=2 or use pp_schedule='1f1b'"
-            )
-        if self.schedule == Schedule.ZBV and self.virtual_stages != 2:
-            raise V17ConfigError("pp_schedule='zbv' uses exactly virtual_stages=2 (the V shape)")
+        from lightning_v17.planner.schedules import schedule_info  # the one schedule table (imports this module)
+
+        schedule_info(self.schedule).check_virtual_stages(self.virtual_stages)
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
 

@@ -191,14 +191,11 @@ def microbatches_in_flight(*, schedule: Schedule, pp: int, microbatches: int) ->
     Sources: GPipe (Huang 2019) keeps all m; 1F1B (Narayanan 2021 §2.2.1, Korthikanti 2022 §4.2.3) at most p;
     ZB-H1 and ZBV the same as 1F1B, ZB-H2 about 2p - 1 (Qi 2023, Zero Bubble Pipeline Parallelism §3).
     """
-    schedule = Schedule.parse(schedule, "schedule")
+    from lightning_v17.planner.schedules import schedule_info
+
     if pp <= 1:
         return 1
-    if schedule == Schedule.GPIPE:
-        return microbatches
-    if schedule == Schedule.ZB_H2:
-        return min(2 * pp - 1, microbatches)
-    return min(pp, microbatches)
+    return schedule_info(Schedule.parse(schedule, "schedule")).microbatches_in_flight(pp=pp, microbatches=microbatches)
 
 
 def activation_bytes_first_stage(

@@ -30,8 +30,7 @@ from lightning_v17.planner import throughput as thr
 from lightning_v17.planner.hardware import GB, Accelerator, get_accelerator
 from lightning_v17.planner.model import ModelShape
 from lightning_v17.planner.pipeline import bubble_fraction
-
-_MULTI_CHUNK = (Schedule.INTERLEAVED_1F1B, Schedule.ZERO_BUBBLE, Schedule.ZB_H2, Schedule.ZBV)
+from lightning_v17.planner.schedules import schedule_info
 
 
 def _positive(name: str, value: Any, *, allow_none: bool = True, kind: type = int) -> None:
@@ -361,7 +360,7 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
     _, dp = _resolve_world(cluster, train, tp, pp, cp)
     m, g = _resolve_batch(train, dp=dp, pp=pp)
     schedule = train.schedule or rec.schedule
-    v = train.virtual_stages or (2 if schedule in _MULTI_CHUNK else 1)
+    v = train.virtual_stages or (2 if schedule_info(schedule).multi_chunk else 1)
     if pp > 1:
         # The strategy's own policy validates schedule/microbatches/virtual_stages, so plan and run agree.
         PipelinePolicy(schedule=schedule, microbatches=m, virtual_stages=v)

@@ -1,0 +1,127 @@
+"""The one table of pipeline schedules: what each one needs and whether the engine can run it.
+
+Torch-free, so that the policy (``config.PipelinePolicy``), the planner and the engine (``engine/pipeline.py``) read
+the same facts instead of each keeping its own tuple of "multi-chunk" schedules (three such tables had drifted apart:
+"zbv" was multi-chunk in one of them and not in another).
+
+Per schedule:
+
+* ``placement``: how a rank's model chunks sit on the pipeline. ``single``: one stage per rank (GPipe, 1F1B);
+  ``loop``: rank r holds stages r, r + p, r + 2p, ... (Narayanan 2021 §2.2, interleaved); ``v``: rank r holds stages
+  r and 2p - 1 - r, so the first and the last stage share rank 0 (Qi 2023 §6, ZB-V).
+* chunks per rank ``v``: 1 for ``single``, exactly 2 for ``v``, any ``v >= 2`` (the user's ``virtual_stages``) for
+  ``loop``.
+* micro-batches whose activations the first stage holds at its peak (the planner's activation memory): GPipe all m;
+  1F1B and ZB-H1 ``min(p, m)`` (Narayanan 2021 §2.2.1; Qi 2023 §3.1 keeps 1F1B's memory); ZB-H2 ``min(2p - 1, m)``
+  (Qi 2023 §3.2); ZB-V ``min(p, m)`` chunk pairs (Qi 2023 §6: the same peak as 1F1B).
+* ``torch_class``: the ``torch.distributed.pipelining`` schedule the engine runs, or None when there is none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from lightning_v17.config import Schedule, V17ConfigError
+
+__all__ = ["SCHEDULES", "Placement", "ScheduleInfo", "schedule_info"]
+
+
+class Placement(StrEnum):
+    """How a rank's model chunks are placed on the pipeline."""
+
+    SINGLE = "single"
+    LOOP = "loop"
+    V = "v"
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """Facts about one pipeline schedule (see the module docstring).
+
+    Args:
+        schedule: the schedule.
+        placement: chunk placement.
+        torch_class: class name in ``torch.distributed.pipelining``; None: the engine cannot run it.
+        in_flight: "m" (all micro-batches), "p" (``min(p, m)``) or "2p-1" (``min(2p - 1, m)``).
+        source: the paper section the schedule comes from.
+    """
+
+    schedule: Schedule
+    placement: Placement
+    torch_class: str | None
+    in_flight: str
+    source: str
+
+    @property
+    def multi_chunk(self) -> bool:
+        """Whether a rank holds more than one model chunk (``virtual_stages`` > 1)."""
+        return self.placement != Placement.SINGLE
+
+    @property
+    def runnable(self) -> bool:
+        """Whether ``lightning_v17.engine.pipeline`` can run it (a torch.distributed.pipelining schedule exists)."""
+        return self.torch_class is not None
+
+    def check_virtual_stages(self, virtual_stages: int) -> None:
+        """Raise a :class:`V17ConfigError` naming the fix unless ``virtual_stages`` suits this schedule."""
+        name = self.schedule.value
+        if self.placement == Placement.SINGLE and virtual_stages != 1:
+            raise V17ConfigError(
+                f"pp_schedule={name!r} runs one stage per rank; set virtual_stages=1, or use 'interleaved_1f1b', "
+                f"'zero_bubble' or 'zbv' for virtual_stages={virtual_stages}"
+            )
+        if self.placement == Placement.LOOP and virtual_stages < 2:
+            raise V17ConfigError(
+                f"pp_schedule={name!r} needs virtual_stages >= 2 (model chunks per rank); set virtual_stages=2 or "
+                "use pp_schedule='1f1b'"
+            )
+        if self.placement == Placement.V and virtual_stages != 2:
+            raise V17ConfigError(f"pp_schedule={name!r} uses exactly virtual_stages=2 (the V shape)")
+
+    def check_runnable(self) -> None:
+        """Raise a :class:`V17ConfigError` naming the runnable alternatives when the engine cannot run it."""
+        if not self.runnable:
+            ok = ", ".join(repr(s.value) for s, i in SCHEDULES.items() if i.runnable)
+            raise V17ConfigError(
+                f"pp_schedule={self.schedule.value!r} has no torch.distributed.pipelining implementation, so the "
+                f"engine cannot run it (the planner can still estimate it); choose one of {ok}"
+            )
+
+    def stage_ids(self, pp_rank: int, *, pp: int, virtual_stages: int) -> tuple[int, ...]:
+        """Global stage indices owned by pipeline rank ``pp_rank``, in increasing order."""
+        if self.placement == Placement.V:
+            return (pp_rank, 2 * pp - 1 - pp_rank)
+        if self.placement == Placement.SINGLE:
+            return (pp_rank,)
+        return tuple(pp_rank + k * pp for k in range(virtual_stages))
+
+    def microbatches_in_flight(self, *, pp: int, microbatches: int) -> int:
+        """Micro-batches whose activations the first stage holds at its peak (see the module docstring)."""
+        if self.in_flight == "m":
+            return microbatches
+        if self.in_flight == "2p-1":
+            return min(2 * pp - 1, microbatches)
+        return min(pp, microbatches)
+
+
+SCHEDULES: dict[Schedule, ScheduleInfo] = {
+    s.schedule: s
+    for s in (
+        ScheduleInfo(Schedule.GPIPE, Placement.SINGLE, "ScheduleGPipe", "m", "Huang 2019 (GPipe) §2.3"),
+        ScheduleInfo(Schedule.ONE_F_ONE_B, Placement.SINGLE, "Schedule1F1B", "p", "Narayanan 2021 §2.2.1"),
+        ScheduleInfo(
+            Schedule.INTERLEAVED_1F1B, Placement.LOOP, "ScheduleInterleaved1F1B", "p", "Narayanan 2021 §2.2.2"
+        ),
+        ScheduleInfo(
+            Schedule.ZERO_BUBBLE, Placement.LOOP, "ScheduleInterleavedZeroBubble", "p", "Qi 2023 §3.1 (interleaved)"
+        ),
+        ScheduleInfo(Schedule.ZB_H2, Placement.LOOP, None, "2p-1", "Qi 2023 §3.2"),
+        ScheduleInfo(Schedule.ZBV, Placement.V, "ScheduleZBVZeroBubble", "p", "Qi 2023 §6"),
+    )
+}
+
+
+def schedule_info(schedule: Schedule | str) -> ScheduleInfo:
+    """The table row of ``schedule`` (a :class:`Schedule` or its name)."""
+    return SCHEDULES[Schedule.parse(schedule)]
