@@ -118,11 +118,12 @@ def _v17(rank: int, schedule: str, v: int, m: int, base) -> _Runner:
 
     from lightning_v17.config import PipelinePolicy
     from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+    from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
     policy = PipelinePolicy(schedule=schedule, microbatches=m, virtual_stages=v)
     model = copy.deepcopy(base)
-    views, ids = split_model(model, pp_rank=rank, pp=2, policy=policy)
+    views, ids = split_model(model, layout=model_pipeline_layout(model), pp_rank=rank, pp=2, policy=policy)
     rt = build_schedule(views, stage_ids=ids, pp_mesh=pp_mesh, policy=policy, device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     trace = rt.enable_trace()

@@ -315,7 +315,10 @@ class AsyncCheckpoint(ModelCheckpoint):
 
 
 def _is_v17(strategy: Any) -> bool:
-    return hasattr(strategy, "zero_stage") and type(strategy).__module__.startswith("lightning_v17.")
+    """V17Strategy writes sharded checkpoints itself, and its ZeRO backend knows the optimizer layout."""
+    from lightning_v17.strategies import V17Strategy
+
+    return isinstance(strategy, V17Strategy)
 
 
 def _app_state(trainer: Trainer) -> dict[str, Any]:
@@ -326,7 +329,7 @@ def _app_state(trainer: Trainer) -> dict[str, Any]:
     if _is_v17(strategy):
         from lightning_v17.engine.state_dict import get_state_dicts
 
-        return get_state_dicts(strategy.model, optimizers, stage=strategy.zero_stage)
+        return get_state_dicts(strategy.model, optimizers, backend=strategy.zero)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     module = trainer.lightning_module

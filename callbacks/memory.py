@@ -62,12 +62,11 @@ def layout_of(strategy: Any) -> MemoryLayout | None:
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
     world = int(getattr(strategy, "world_size", 1) or 1)
-    if hasattr(strategy, "zero_stage") and hasattr(strategy, "mesh"):  # V17Strategy
-        spec = strategy.mesh.spec
-        stage = int(strategy.zero_stage)
-        # ZeRO-3 (FSDP2) shards over dp_shard x cp; stages 1/2 over the whole data-parallel group.
-        dp = int(spec.dp_shard * spec.cp) if stage == 3 else int(spec.dp)
-        return MemoryLayout(zero_stage=stage, dp=dp, tp=int(spec.tp), pp=int(spec.pp))
+    parallel = getattr(strategy, "parallel", None)  # V17Strategy after setup: ask its ZeRO backend
+    if parallel is not None:
+        spec, zero = strategy.mesh.spec, parallel.zero
+        # Every stage partitions over the dp_shard axis only; HSDP's dp_replicate axis holds full replicas.
+        return MemoryLayout(zero_stage=zero.stage, dp=zero.shard_size, tp=int(spec.tp), pp=int(spec.pp))
     if isinstance(strategy, ModelParallelStrategy):
         dp = int(getattr(strategy, "_data_parallel_size", 0) or 0) or world
         tp = int(getattr(strategy, "_tensor_parallel_size", 1) or 1)

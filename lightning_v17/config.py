@@ -282,6 +282,11 @@ class ZeroPolicy:
             )
         object.__setattr__(self, "wrap_classes", tuple(self.wrap_classes))
 
+    @property
+    def shards_params(self) -> bool:
+        """Stage 3: parameters are sharded, so a model may be built on the meta device (deferred init)."""
+        return self.stage >= 3
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -378,6 +383,8 @@ class TrainingPolicy:
         pipeline: pipeline schedule policy (used when the mesh has pp > 1).
         recompute: activation checkpointing mode.
         sequence_parallel: shard norms/dropout along the sequence dim under TP (Korthikanti 2022 §4.2.2).
+        tp_plan: an explicit tensor-parallel plan, ``{fqn (``*`` wildcards allowed): style name}``; None: the
+            LightningModule's or the model's own plan.
         loss_scale: fp16 loss-scaling policy (None: Lightning's defaults, or bf16/fp32 with no scaler).
         gradient_clipping: max global grad norm from a DeepSpeed config (None: use the Trainer's setting).
         gradient_accumulation_steps: from a DeepSpeed config (None: use the Trainer's setting).
@@ -390,11 +397,15 @@ class TrainingPolicy:
     pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
     recompute: Recompute = Recompute.NONE
     sequence_parallel: bool = False
+    tp_plan: dict[str, Any] | None = None
     loss_scale: LossScalePolicy | None = None
     gradient_clipping: float | None = None
     gradient_accumulation_steps: int | None = None
     micro_batch_size: int | None = None
     precision: Precision | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", Recompute.parse(self.recompute))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -153,12 +153,12 @@ def _write_bytes_durably(path: Path, payload: bytes) -> None:
 
 
 def _versions() -> dict[str, str]:
-    out = {"torch": torch.__version__}
-    try:
-        import lightning
+    from importlib.metadata import PackageNotFoundError, version
 
-        out["lightning"] = lightning.__version__
-    except ImportError:  # pragma: no cover - lightning is a dependency, but the engine does not need it
+    out = {"torch": torch.__version__}
+    try:  # read from the installed metadata: the engine does not import Lightning
+        out["lightning"] = version("lightning")
+    except PackageNotFoundError:  # pragma: no cover - lightning is a dependency, but the engine does not need it
         pass
     from lightning_v17 import __version__
 

@@ -69,9 +69,10 @@ def apply_fsdp(
 ) -> list[nn.Module]:
     """ZeRO-3 with FSDP2: ``fully_shard`` each unit, then the residual top-level children as one group.
 
-    The root ``module`` itself (a LightningModule) is not converted: FSDP2 swaps the class of every module it shards,
-    and Lightning inspects the LightningModule's class. Its direct children that own parameters outside the units
-    form one FSDP group (``fully_shard([children...])``).
+    When everything outside the units sits in one child (a LightningModule holding ``self.model``), that child is
+    the FSDP root and the LightningModule's class is left alone. Otherwise (several such children, or parameters
+    owned by ``module`` itself: any plain ``nn.Module``) ``module`` itself becomes the root, as in FSDP2's usual
+    ``fully_shard(model)``.
 
     Args:
         module: the model (parameters may be on the meta device: FSDP2 shards meta tensors too).
@@ -104,28 +105,28 @@ def apply_fsdp(
         fully_shard(u, reshard_after_forward=False if last_default else rsf, **kw)
     unit_ids = {id(u) for u in units}
     residual = [c for c in module.children() if id(c) not in unit_ids and any(True for _ in c.parameters())]
-    if any(True for _ in module.parameters(recurse=False)):
-        raise V17ConfigError(
-            f"{type(module).__name__} owns parameters directly; zero_stage=3 shards submodules, so move them into a "
-            "submodule (e.g. self.model = ...) or use zero_stage=2"
-        )
     # The residual group (embeddings, final norm, head) runs last in forward and first in backward. Freeing it after
     # forward only to all-gather it again at once costs one extra all-gather per step (for a 128k vocab: the
     # embedding and head, ~2 GB in bf16). FSDP2 keeps its root unsharded for this reason; with the default
     # (reshard_after_forward=None) we do the same. An explicit True is honoured.
     root_rsf = False if reshard_after_forward is None else rsf
-    if len(residual) == 1:
-        fully_shard(residual[0], reshard_after_forward=root_rsf, **kw)
+    own = any(True for _ in module.parameters(recurse=False))
+    if own or len(residual) > 1:
+        # One FSDP root must own everything outside the units: FSDP2 refuses a multi-module group as the root
+        # ("FSDP requires a single root module"), so shard ``module`` itself (FSDP2's usual root).
+        fully_shard(module, reshard_after_forward=root_rsf, **kw)
+        root = [module]
     elif residual:
-        fully_shard(residual, reshard_after_forward=root_rsf, **kw)
-    sharded = units + residual
+        # A LightningModule wrapping one model: shard that child, and leave the LightningModule's class alone.
+        fully_shard(residual[0], reshard_after_forward=root_rsf, **kw)
+        root = residual
+    else:
+        root = []
+    sharded = units + root
     # On gloo, reduce-scatter and all-gather as one all_to_all each (engine/collectives.py: ~2x and ~1.5x faster);
     # NCCL keeps FSDP2's native collectives.
     shard_group = mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
-    if residual and len(residual) > 1:
-        fsdp_modules = units + [residual[0]]  # fully_shard([a, b]) makes one group, reachable through any member
-    else:
-        fsdp_modules = sharded
+    fsdp_modules = sharded
     install_fsdp_comms(fsdp_modules, shard_group)
     return sharded
 

@@ -17,6 +17,7 @@ FSDP2 hooks sit around ``__call__`` and keep working (its pre-backward unshard r
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lightning_v17.config import Recompute
 
 __all__ = ["SAVED_OPS", "apply_activation_checkpointing", "selective_policy"]
+
+log = logging.getLogger(__name__)
 
 
 def _saved_ops() -> frozenset:
@@ -56,6 +59,22 @@ def _checkpointed_forward(orig, mode: Recompute, *args, **kwargs):
     return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
+def _disable_kv_cache(module: nn.Module) -> None:
+    """Turn off a model's key/value cache (``config.use_cache``, the Hugging Face convention).
+
+    A cache is state the forward mutates: recomputing a block appends its keys/values a second time, and the
+    recomputed attention then sees twice the sequence (torch's checkpoint raises "Recomputed values ... have
+    different metadata"). Training does not use the cache; Hugging Face's own ``gradient_checkpointing_enable``
+    turns it off for the same reason.
+    """
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "use_cache", None) is True:
+            cfg.use_cache = False
+            log.info("activation checkpointing: set %s.config.use_cache=False (a KV cache cannot be recomputed)",
+                     type(m).__name__)
+
+
 def apply_activation_checkpointing(
     module: nn.Module, *, mode: Recompute | str, units: Sequence[nn.Module] | None = None
 ) -> list[nn.Module]:
@@ -77,6 +96,7 @@ def apply_activation_checkpointing(
         from lightning_v17.engine.fsdp import find_wrap_units
 
         units = find_wrap_units(module)
+    _disable_kv_cache(module)
     for u in units:
         if getattr(u, "_v17_recompute", None) is not None:
             continue

@@ -8,26 +8,23 @@ state under the same names and reshards it into any other stage, world size or m
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from lightning_v17.config import V17ConfigError
 
+if TYPE_CHECKING:
+    from lightning_v17.engine.zero_backend import ZeroBackend
+
 __all__ = [
     "get_model_state",
-    "get_optimizer_state",
     "get_state_dicts",
     "merge_optim",
     "param_group_lists",
     "restore_param_group_lists",
     "set_state_dicts",
 ]
-
-
-def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
 
 
 def get_model_state(module: nn.Module) -> dict[str, Any]:
@@ -37,36 +34,24 @@ def get_model_state(module: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
 
 
-def get_optimizer_state(module: nn.Module, optimizer: Any, *, stage: int) -> dict[str, Any]:
-    """FQN-keyed optimizer state dict, initializing empty state (a zero-lr step, as torch's state_dict API does) so
-    that DCP has tensors to load into."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        _init_optim_state,
-        get_optimizer_state_dict,
-    )
-
-    opt = _plain_optimizer(optimizer)
-    engine = getattr(opt, "_v17_zero", None)
-    if engine is not None and stage in (1, 2):
-        _init_optim_state(opt)
-        return engine.optimizer_state_dict(opt)
-    return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=False))
-
-
 def merge_optim(states: list[dict[str, Any]]) -> dict[str, Any]:
     return states[0] if len(states) == 1 else {f"optimizer_{i}": s for i, s in enumerate(states)}
 
 
-def get_state_dicts(module: nn.Module, optimizers: Iterable[Any], *, stage: int) -> dict[str, Any]:
+def get_state_dicts(module: nn.Module, optimizers: Iterable[Any], *, backend: ZeroBackend) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` ready for DCP; the same FQN layout for every stage (so it reshards).
+
+    Args:
+        module: the (sharded) model.
+        optimizers: its optimizers (LightningOptimizer wrappers are unwrapped).
+        backend: the applied ZeRO stage, which knows how its optimizer state is laid out.
 
     With several optimizers, ``"optim"`` is ``{"optimizer_0": ..., "optimizer_1": ...}``.
     """
     optimizers = list(optimizers)
     out: dict[str, Any] = {"model": get_model_state(module)}
     if optimizers:
-        out["optim"] = merge_optim([get_optimizer_state(module, o, stage=stage) for o in optimizers])
+        out["optim"] = merge_optim([backend.optimizer_state_dict(o) for o in optimizers])
     return out
 
 
@@ -99,17 +84,14 @@ def restore_param_group_lists(app_state: dict[str, Any], lists: list[list[list[A
         osd["param_groups"] = [{**g, "params": params} for g, params in zip(groups, own)]
 
 
-def set_state_dicts(module: nn.Module, optimizers: Iterable[Any], app_state: dict[str, Any], *, stage: int) -> None:
+def set_state_dicts(
+    module: nn.Module, optimizers: Iterable[Any], app_state: dict[str, Any], *, backend: ZeroBackend
+) -> None:
     """Load ``app_state`` (as filled in place by ``dcp.load``) into the module and optimizers."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    opts = StateDictOptions(full_state_dict=False)
-    set_model_state_dict(module, app_state["model"], options=opts)
-    optimizers = [_plain_optimizer(o) for o in optimizers]
+    set_model_state_dict(module, app_state["model"], options=StateDictOptions(full_state_dict=False))
+    optimizers = list(optimizers)
     if not optimizers or "optim" not in app_state:
         return
     states = (
@@ -118,8 +100,4 @@ def set_state_dicts(module: nn.Module, optimizers: Iterable[Any], app_state: dic
         else [app_state["optim"][f"optimizer_{i}"] for i in range(len(optimizers))]
     )
     for opt, osd in zip(optimizers, states):
-        engine = getattr(opt, "_v17_zero", None)
-        if engine is not None and stage in (1, 2):
-            engine.load_optimizer_state_dict(opt, osd)
-        else:
-            set_optimizer_state_dict(module, opt, osd, options=opts)
+        backend.load_optimizer_state_dict(opt, osd)

@@ -1,6 +1,22 @@
-"""Megatron-style tensor parallelism (and sequence parallelism) through DTensor ``parallelize_module``.
+"""Megatron-style tensor parallelism (and sequence parallelism) through DTensor ``parallelize_module``, for any model.
 
-Plan for one transformer block (Shoeybi 2019 §3, Fig. 3; Korthikanti 2022 §4.2.2 for sequence parallel):
+The engine is model-agnostic: a *plan* says which submodule gets which ``ParallelStyle``; the engine expands and
+checks it, then shards. Plans come from the caller (``lightning_v17.models.tp_plans.resolve_tp_plan`` finds them on
+the strategy's options, on the LightningModule, or on the model: torchtitan-shaped Llama, Hugging Face
+``base_model_tp_plan``, litgpt ``GPT``); this module imports nothing from ``lightning_v17.models``.
+
+A plan is either
+
+* a mapping ``{fqn: style}`` relative to the module. ``*`` matches exactly one FQN component
+  (``layers.*.self_attn.q_proj``), as in Hugging Face's ``base_model_tp_plan``. A style is a ``ParallelStyle`` or one
+  of the names in :data:`PARALLEL_STYLES` (Hugging Face's names where they mean the same thing). A key that matches no
+  module is an error (:func:`expand_plan`), except where a pipeline split removed the part (an attribute set to None, a
+  block missing from a ``ModuleDict`` of numbered blocks): that part lives on another stage.
+* a callable ``plan(module, tp_mesh) -> None`` that applies itself (a LightningModule's
+  ``configure_tensor_parallel(mesh)`` hook, or a model's plan that must validate against the mesh size first).
+
+The default plan for torchtitan-shaped Llama blocks (Shoeybi 2019 §3, Fig. 3; Korthikanti 2022 §4.2.2 for sequence
+parallel), :func:`llama_tp_plan`:
 
 * attention: ``wq``/``wk``/``wv`` column-parallel (each rank owns ``heads/tp`` query heads and ``kv_heads/tp`` key/value
   heads; the model derives its local head count from tensor shapes), ``wo`` row-parallel.
@@ -14,26 +30,30 @@ Plan for one transformer block (Shoeybi 2019 §3, Fig. 3; Korthikanti 2022 §4.2
 * Options: vocab-parallel embedding (``RowwiseParallel`` on ``tok_embeddings``, input replicated) and loss-parallel
   cross entropy (the head's logits stay sharded on the vocab dim, ``Shard(-1)``; the loss must then be computed and
   back-propagated inside :func:`loss_parallel_context`).
+  Every parameter of such a model ends up a DTensor on the tp mesh (sharded, or ``Replicate`` for norms/unsharded
+  embeddings), so FSDP2 can be applied on the dp axes afterwards (torchtitan's order: TP first, then ``fully_shard``).
+  Models planned from strings keep the parameters the plan does not name as plain tensors (Hugging Face's own TP does
+  the same); ZeRO, clipping and checkpointing accept both.
 
-Where the plan comes from (first match wins): a ``configure_tensor_parallel(mesh)`` method on the module (it applies
-its own plan), a ``tp_plan`` dict (FQN -> ``ParallelStyle``) on the module, or the default plan for every Llama-shaped
-submodule (``tok_embeddings`` -> ``layers`` ModuleDict of blocks -> ``norm`` -> ``output``, torchtitan names).
-
-Every parameter ends up a DTensor on the tp mesh (sharded, or ``Replicate`` for norms/unsharded embeddings), so FSDP2
-can be applied on the dp axes afterwards and see one uniform 2-D layout (torchtitan's order: TP first, then
-``fully_shard`` over the dp mesh).
+A fused projection whose output rows are several segments (litgpt's ``qkv`` = [all q heads; all k heads; all v
+heads]) cannot be sharded as one contiguous block; :class:`SegmentedColwiseParallel` computes each rank's slice of
+every segment while the parameter stays a ``Shard(0)`` DTensor in its true layout.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import difflib
+import re
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -46,12 +66,21 @@ from torch.distributed.tensor.placement_types import Placement
 from lightning_v17.config import V17ConfigError, check_tp_divides
 
 __all__ = [
+    "PARALLEL_STYLES",
+    "SegmentedColwiseParallel",
+    "TPPlan",
     "apply_tensor_parallel",
     "check_tensor_parallel",
+    "expand_plan",
     "find_llama_modules",
     "llama_tp_plan",
     "loss_parallel_context",
+    "parallel_style",
 ]
+
+#: What :func:`apply_tensor_parallel` accepts as a plan: ``{fqn: style}`` (style: a name from
+#: :data:`PARALLEL_STYLES` or a ``ParallelStyle``) or a callable ``plan(module, tp_mesh)`` that applies itself.
+TPPlan = Mapping[str, "str | ParallelStyle"] | Callable[[nn.Module, DeviceMesh], None]
 
 
 class _ReplicateParallel(ParallelStyle):
@@ -134,6 +163,245 @@ class _PrepareFirstInput(ParallelStyle):
         return module
 
 
+#: Style names -> factories (a fresh ``ParallelStyle`` per module). Names follow Hugging Face transformers 5.x
+#: (``integrations/tensor_parallel.py``) where the DTensor style means the same thing.
+PARALLEL_STYLES: Mapping[str, Callable[[], ParallelStyle]] = types.MappingProxyType(
+    {
+        # weight Shard(0) (output features); input replicated, output the local shard of the last dim
+        "colwise": lambda: ColwiseParallel(),
+        # weight Shard(1) (input features; an Embedding's table Shard(0)); input the local shard, output all-reduced
+        "rowwise": lambda: RowwiseParallel(),
+        # column-parallel with the output all-gathered (an LM head whose logits the loss needs whole)
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        # row-parallel on a replicated input: split locally (no communication) before the matmul. On an
+        # nn.Embedding this is the vocab-parallel lookup (table Shard(0), masked, partial sums all-reduced).
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # norms on a sequence-sharded (Shard(1)) residual stream, parameters replicated
+        "sequence_parallel": lambda: SequenceParallel(),
+        # every parameter a Replicate DTensor; the module computes on the replicated input
+        "replicate": lambda: _ReplicateParallel(),
+    }
+)
+
+
+def parallel_style(style: str | ParallelStyle, *, key: str | None = None) -> ParallelStyle:
+    """The ``ParallelStyle`` for one plan entry: a style object as is, or a fresh one for a name.
+
+    Args:
+        style: a name from :data:`PARALLEL_STYLES` (e.g. ``"colwise"``) or a ``ParallelStyle``.
+        key: the plan key it belongs to, named in the error.
+
+    Returns:
+        The ``ParallelStyle``.
+
+    Raises:
+        V17ConfigError: an unknown name or a value of another type; the message lists the supported names.
+    """
+    if isinstance(style, ParallelStyle):
+        return style
+    if isinstance(style, str) and style in PARALLEL_STYLES:
+        return PARALLEL_STYLES[style]()
+    where = f" for {key!r}" if key is not None else ""
+    raise V17ConfigError(
+        f"unknown tensor-parallel style {style!r}{where}; supported names: {', '.join(PARALLEL_STYLES)} "
+        f"(or pass a torch.distributed.tensor.parallel.ParallelStyle object)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------- plan expansion
+_INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
+
+
+def _generic(fqn: str) -> str:
+    """``layers.3.attn`` -> ``layers.*.attn``: the form plan keys are written in, for suggestions."""
+    return _INDEX.sub("*", fqn)
+
+
+def _pruned_by_pipeline(parent: nn.Module, name: str) -> bool:
+    """Whether child ``name`` of ``parent`` is absent because a pipeline split moved it to another stage.
+
+    A split sets a registered attribute to None (``tok_embeddings``, ``output``) or keeps a ``ModuleDict`` of blocks
+    keyed by their original indices holding only the local ones, so a missing numbered key is on another stage.
+    """
+    if name in parent._modules:
+        return parent._modules[name] is None
+    return isinstance(parent, nn.ModuleDict) and name.isdigit() and len(parent) > 0 and all(k.isdigit() for k in parent)
+
+
+def _match(module: nn.Module, key: str) -> tuple[list[str], bool]:
+    """FQNs of the submodules ``key`` names (``*`` = one component) and whether some branch was pipeline-pruned."""
+    frontier: list[tuple[str, nn.Module]] = [("", module)]
+    pruned = False
+    for atom in key.split(".") if key else []:
+        nxt: list[tuple[str, nn.Module]] = []
+        for prefix, mod in frontier:
+            if atom == "*":
+                children = list(mod.named_children())
+                nxt.extend((f"{prefix}.{n}" if prefix else n, c) for n, c in children)
+                pruned = pruned or any(c is None for c in mod._modules.values())
+            elif mod._modules.get(atom) is not None:
+                nxt.append((f"{prefix}.{atom}" if prefix else atom, mod._modules[atom]))
+            elif _pruned_by_pipeline(mod, atom):
+                pruned = True
+        frontier = nxt
+    return [fqn for fqn, _ in frontier], pruned
+
+
+def expand_plan(module: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> dict[str, ParallelStyle]:
+    """Resolve a plan's keys against ``module``: ``{fqn: ParallelStyle}`` with every wildcard expanded.
+
+    Nothing is sharded here, so a bad plan fails before the model is touched.
+
+    Args:
+        module: the module the keys are relative to (``""`` names the module itself).
+        plan: ``{key: style}``; ``*`` in a key matches exactly one FQN component (``layers.*.mlp.up_proj``);
+            a style is a name from :data:`PARALLEL_STYLES` or a ``ParallelStyle``.
+
+    Returns:
+        ``{fqn: ParallelStyle}`` in plan order, one fresh style object per module for named styles.
+
+    Raises:
+        V17ConfigError: a key matches no module (the message names it and suggests near module names), unless the
+            path runs through a part a pipeline split removed (set to None, or a numbered block missing from a
+            ``ModuleDict``): then the key is skipped, that part lives on another stage; an unknown style name; two
+            keys giving one module different styles.
+    """
+    if not isinstance(plan, Mapping):
+        raise V17ConfigError(f"a tensor-parallel plan must be a dict {{fqn: style}}; got {type(plan).__name__}")
+    out: dict[str, ParallelStyle] = {}
+    given: dict[str, tuple[str, Any]] = {}
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise V17ConfigError(f"tensor-parallel plan keys must be module FQN strings; got {key!r}")
+        parallel_style(style, key=key)  # unknown names fail even when the key is pruned on this stage
+        fqns, pruned = _match(module, key)
+        if not fqns and not pruned:
+            names = {_generic(n) for n, _ in module.named_modules() if n} | {n for n, _ in module.named_modules() if n}
+            near = difflib.get_close_matches(key, sorted(names), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+            raise V17ConfigError(
+                f"tensor-parallel plan key {key!r} matches no submodule of {type(module).__name__}{hint} "
+                f"(keys are module FQNs relative to the module; '*' matches one component)"
+            )
+        for fqn in fqns:
+            if fqn in given and given[fqn][1] is not style and given[fqn][1] != style:
+                raise V17ConfigError(
+                    f"tensor-parallel plan keys {given[fqn][0]!r} and {key!r} both match {fqn!r} with different "
+                    f"styles ({given[fqn][1]!r} vs {style!r}); give each module one style"
+                )
+            if fqn not in given:
+                given[fqn] = (key, style)
+                out[fqn] = parallel_style(style, key=key)
+    return out
+
+
+def _check_shared_parameters(module: nn.Module, fqns: Sequence[str]) -> None:
+    """Refuse a plan that would untie a shared (tied) parameter.
+
+    Sharding replaces a module's parameters by new DTensor parameters; a parameter that another module also holds
+    (an LM head tied to the embedding) would silently become two different tensors.
+    """
+
+    def root(name: str) -> str:
+        hits = [f for f in fqns if f in ("", name) or name.startswith(f + ".")]
+        return max(hits, key=len) if hits else "<not in plan>"  # the deepest planned module: the style that acts
+
+    # A module registered under several names is one object: its parameters move together, whatever the name.
+    acted_on: dict[int, set[str]] = {}
+    owners: dict[int, list[tuple[str, int]]] = {}
+    for name, mod in module.named_modules(remove_duplicate=False):
+        acted_on.setdefault(id(mod), set()).add(root(name))
+        for p_name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((f"{name}.{p_name}" if name else p_name, id(mod)))
+    for entries in owners.values():
+        mods = {m for _, m in entries}
+        if len(mods) < 2:
+            continue
+        names = [n for n, _ in entries]
+        if len({frozenset(acted_on[m]) for m in mods}) > 1:
+            raise V17ConfigError(
+                f"the tensor-parallel plan would untie the shared parameter {' = '.join(names)}: only part of its "
+                f"owners is sharded, or they are sharded separately. Leave all of them out of the plan (replicated), "
+                f"or untie the weights (e.g. tie_word_embeddings=False)"
+            )
+
+
+def _apply_mapping(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str | ParallelStyle]) -> None:
+    styles = expand_plan(module, plan)
+    _check_shared_parameters(module, list(styles))
+    # Deepest first (stable, so identical on every rank: distribute_tensor is a collective): a parent's style that
+    # replicates "all remaining parameters" then sees its children's DTensors and leaves them alone.
+    for fqn in sorted(styles, key=lambda f: -(f.count(".") + bool(f))):
+        parallelize_module(module.get_submodule(fqn) if fqn else module, tp_mesh, styles[fqn])
+
+
+class SegmentedColwiseParallel(ParallelStyle):
+    """Column-parallel ``nn.Linear`` whose output features are a concatenation of segments, e.g. a fused
+    ``[q; k; v]`` projection: each rank computes its contiguous 1/tp of *every* segment.
+
+    A plain ``ColwiseParallel`` would give rank 0 the first 1/tp of the fused rows (all of q, say) and rank 1 the
+    rest, which is not a head partition. Here the parameter is stored as a ``Shard(0)`` DTensor in the module's true
+    layout (same FQN, same state dict, any checkpoint reshards it), and each forward all-gathers it and keeps rank
+    r's rows ``[seg_i[r*s_i/tp : (r+1)*s_i/tp] for each segment i]``; the backward reduce-scatters the weight gradient
+    (one all-gather + one reduce-scatter of this weight per step, FSDP's cost for it) and all-reduces the input
+    gradient, as ``ColwiseParallel`` does. The output is the plain local tensor ``[..., sum(s_i) / tp]`` in segment
+    order, so the module consuming it must split it with local sizes (``s_i / tp``).
+
+    Args:
+        segments: the output-feature sizes of the segments, in order; they must sum to ``out_features`` and each
+            must be divisible by the tp size.
+    """
+
+    def __init__(self, segments: Sequence[int]) -> None:
+        super().__init__()
+        self.segments = tuple(int(s) for s in segments)
+
+    def _rows(self, rank: int, tp: int) -> list[tuple[int, int]]:
+        spans, start = [], 0
+        for size in self.segments:
+            chunk = size // tp
+            spans.append((start + rank * chunk, chunk))
+            start += size
+        return spans
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise V17ConfigError(f"SegmentedColwiseParallel applies to nn.Linear; got {type(module).__name__}")
+        tp = device_mesh.size()
+        if sum(self.segments) != module.out_features or any(s % tp for s in self.segments):
+            raise V17ConfigError(
+                f"SegmentedColwiseParallel segments {self.segments} must sum to out_features={module.out_features} "
+                f"and each be divisible by tp={tp}"
+            )
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                dt = distribute_tensor(param.detach(), device_mesh, [Shard(0)])
+                module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        spans = self._rows(device_mesh.get_local_rank(), tp)
+
+        def local(p: DTensor) -> torch.Tensor:
+            # All-gather; the gradient of the gathered copy is this rank's rows only, i.e. a Partial sum over ranks,
+            # which Redistribute's backward reduce-scatters back to Shard(0).
+            full = p.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            return torch.cat([full.narrow(0, start, n) for start, n in spans], dim=0)
+
+        def forward(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, DTensor):
+                x = x.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            else:
+                # identity forward; backward all-reduces the input gradient (each rank saw only its heads)
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                x = x.to_local(grad_placements=[Partial()])
+            bias = local(mod.bias) if mod.bias is not None else None
+            return F.linear(x, local(mod.weight), bias)
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
 def _config_dims(model: nn.Module) -> dict[str, int]:
     """Model dimensions TP must divide, read from ``model.config`` (a ModelConfig) or from the weight shapes."""
     cfg = getattr(model, "config", None)
@@ -168,6 +436,10 @@ def check_tensor_parallel(
         tp: tensor-parallel size.
         vocab_parallel: the embedding is split along the vocab, so tp must divide it too.
         loss_parallel: the head's logits are split along the vocab, so tp must divide it too.
+
+    Raises:
+        V17ConfigError: tp does not divide a dimension ("tp=3 must divide num_attention_heads=8; try tp in {1, 2, 4,
+            8}"), or the dimensions cannot be read from the model.
     """
     dims = _config_dims(model)
     named = {"num_attention_heads": dims["heads"], "num_key_value_heads": dims["kv_heads"], "ffn_hidden": dims["ffn"]}
@@ -177,7 +449,15 @@ def check_tensor_parallel(
 
 
 def find_llama_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(prefix, module) for every Llama-shaped submodule (including ``module`` itself), outermost only."""
+    """(prefix, module) for every torchtitan-shaped Llama submodule (including ``module`` itself), outermost only.
+
+    Args:
+        module: any module; a match has ``tok_embeddings``, ``norm`` and ``output`` attributes (possibly None on a
+            pipeline stage) and a ``layers`` ``nn.ModuleDict``.
+
+    Returns:
+        ``[(fqn prefix, submodule), ...]`` in ``named_modules`` order.
+    """
     found: list[tuple[str, nn.Module]] = []
     for name, sub in module.named_modules():
         if any(name.startswith(p + ".") or p == "" for p, _ in found):
@@ -189,19 +469,20 @@ def find_llama_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _projection_roles(model: nn.Module) -> dict[str, str]:
-    """FQN -> "colwise"/"rowwise", from the model's ``tensor_parallel_plan()`` if it has one (the reference Llama
-    does), else the Megatron default for torchtitan names."""
-    hook = getattr(model, "tensor_parallel_plan", None)
-    if callable(hook):
-        roles = dict(hook())
-    else:
-        # Megatron's roles (Shoeybi 2019 §3) under torchtitan's names, which the reference model also uses.
-        from lightning_v17.models.llama import BLOCK_TP_PLAN, TOP_TP_PLAN
-
-        roles = dict(TOP_TP_PLAN)
-        for key in model.layers:
-            roles.update({f"layers.{key}.{n}": r for n, r in BLOCK_TP_PLAN.items()})
+def _projection_roles(model: nn.Module, roles: Mapping[str, str] | None) -> dict[str, str]:
+    """FQN -> "colwise"/"rowwise": ``roles`` if given, else the model's ``tensor_parallel_plan()`` (the reference Llama
+    has one; ``lightning_v17.models.tp_plans`` supplies Megatron's default roles for torchtitan-shaped models that
+    do not)."""
+    if roles is None:
+        hook = getattr(model, "tensor_parallel_plan", None)
+        if not callable(hook):
+            raise V17ConfigError(
+                f"{type(model).__name__} has torchtitan-style names but no tensor_parallel_plan() method: pass "
+                f"roles={{fqn: 'colwise'|'rowwise'}} to llama_tp_plan, or resolve the plan with "
+                f"lightning_v17.models.tp_plans.resolve_tp_plan (it knows Megatron's default roles)"
+            )
+        roles = hook()
+    roles = dict(roles)
     bad = {k: v for k, v in roles.items() if v not in ("colwise", "rowwise")}
     if bad:
         raise V17ConfigError(f"tensor_parallel_plan() roles must be 'colwise' or 'rowwise'; got {bad}")
@@ -211,26 +492,33 @@ def _projection_roles(model: nn.Module) -> dict[str, str]:
 def llama_tp_plan(
     model: nn.Module,
     *,
+    roles: Mapping[str, str] | None = None,
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
     loss_parallel: bool = False,
 ) -> dict[str, ParallelStyle]:
-    """The default TP plan for a Llama-shaped model, keyed by FQN relative to ``model``.
+    """The TP plan for a torchtitan-shaped Llama, keyed by FQN relative to ``model``.
 
     Modules that a pipeline stage deleted (``tok_embeddings``/``norm``/``output`` set to None, blocks removed from
     ``layers``) are simply absent from the plan, so the same function serves a whole model and any PP stage.
 
     Args:
-        model: the Llama (or a PP stage of it).
+        model: the Llama (or a PP stage of it): ``tok_embeddings``, ``layers`` ModuleDict, ``norm``, ``output``.
+        roles: ``{fqn: "colwise" | "rowwise"}`` for the projections (and ``tok_embeddings``/``output``); default:
+            ``model.tensor_parallel_plan()``.
         sequence_parallel: shard norms and residual dropout along the sequence dim (Korthikanti 2022).
         vocab_parallel: split the embedding table along the vocab (``RowwiseParallel``, input replicated).
         loss_parallel: keep logits sharded on the vocab dim (``Shard(-1)``) for a vocab-parallel cross entropy.
 
     Returns:
-        ``{fqn: ParallelStyle}`` for :func:`torch.distributed.tensor.parallel.parallelize_module`.
+        ``{fqn: ParallelStyle}`` for :func:`apply_tensor_parallel`.
+
+    Raises:
+        V17ConfigError: no roles (neither ``roles`` nor a ``tensor_parallel_plan()`` method), or a role other than
+            "colwise"/"rowwise".
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    roles = _projection_roles(model)
+    roles = _projection_roles(model, roles)
     plan: dict[str, ParallelStyle] = {}
     if getattr(model, "tok_embeddings", None) is not None:
         if vocab_parallel and roles.get("tok_embeddings") == "rowwise":
@@ -279,6 +567,7 @@ def apply_tensor_parallel(
     module: nn.Module,
     *,
     tp_mesh: DeviceMesh,
+    plan: TPPlan | None = None,
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
     loss_parallel: bool = False,
@@ -289,50 +578,75 @@ def apply_tensor_parallel(
     size-1 mesh it does nothing.
 
     Args:
-        module: a LightningModule, a Llama, or a PP stage. Plan source, first match: ``module.configure_tensor_parallel
-            (mesh)`` (the module applies its own plan), ``module.tp_plan`` (a dict FQN -> ParallelStyle), else the
-            default plan of every Llama-shaped submodule (see :func:`llama_tp_plan`).
+        module: any ``nn.Module`` (a LightningModule, a model, or a PP stage).
         tp_mesh: the 1-D "tp" mesh axis (``mesh["tp"]``).
-        sequence_parallel: shard norms/dropout along the sequence dim (all-gather + reduce-scatter instead of the
-            all-reduce; Korthikanti 2022 §4.2.2).
-        vocab_parallel: split the embedding table along the vocab dim.
-        loss_parallel: leave the logits sharded along the vocab dim; the loss and its backward must then run inside
-            :func:`loss_parallel_context` (the pipeline engine does that itself).
+        plan: ``{fqn: style}`` (wildcards and style names allowed, see :func:`expand_plan`) or a callable
+            ``plan(module, tp_mesh)`` that applies itself. ``lightning_v17.models.tp_plans.resolve_tp_plan`` finds
+            the plan of a Hugging Face, litgpt or torchtitan-shaped model. ``None``: the module's own
+            ``configure_tensor_parallel(mesh)`` method, else its ``tp_plan`` dict, else the plan of every
+            torchtitan-shaped Llama submodule that has a ``tensor_parallel_plan()`` method (:func:`llama_tp_plan`).
+        sequence_parallel: only with ``plan=None`` (a given plan already encodes it): shard norms/dropout along the
+            sequence dim (all-gather + reduce-scatter instead of the all-reduce; Korthikanti 2022 §4.2.2).
+        vocab_parallel: only with ``plan=None``: split the embedding table along the vocab dim.
+        loss_parallel: only with ``plan=None``: leave the logits sharded along the vocab dim; the loss and its
+            backward must then run inside :func:`loss_parallel_context` (the pipeline engine does that itself).
+
+    Returns:
+        ``module``, parallelized in place.
 
     Raises:
-        V17ConfigError: tp does not divide heads/kv_heads/ffn (or the vocab when vocab/loss parallel), naming the
-            valid values; or the module has no plan.
+        V17ConfigError: a plan key that matches no submodule, an unknown style name, a plan that would untie shared
+            weights (all raised before anything is sharded); with ``plan=None``: tp does not divide heads/kv_heads/
+            ffn (or the vocab when vocab/loss parallel), naming the valid values, or the module has no plan.
     """
     tp = tp_mesh.size()
     if tp == 1:
         return module
-    hook = getattr(module, "configure_tensor_parallel", None)
-    if callable(hook):
-        hook(tp_mesh)
-        return module
+    if plan is None:
+        hook = getattr(module, "configure_tensor_parallel", None)
+        if callable(hook):
+            hook(tp_mesh)
+            return module
+        plan = _builtin_plan(module, tp, sequence_parallel, vocab_parallel, loss_parallel)
+    if isinstance(plan, Mapping):
+        _apply_mapping(module, tp_mesh, plan)
+    elif callable(plan):
+        plan(module, tp_mesh)
+    else:
+        raise V17ConfigError(
+            f"plan must be a dict {{fqn: style}} or a callable plan(module, tp_mesh); got {type(plan).__name__}"
+        )
+    return module
+
+
+def _builtin_plan(
+    module: nn.Module, tp: int, sequence_parallel: bool, vocab_parallel: bool, loss_parallel: bool
+) -> Mapping[str, str | ParallelStyle]:
+    """``plan=None``: the module's ``tp_plan`` dict, else every Llama submodule's plan (validated first)."""
     user_plan = getattr(module, "tp_plan", None)
-    if isinstance(user_plan, dict) and user_plan:
-        parallelize_module(module, tp_mesh, user_plan)
-        return module
+    if isinstance(user_plan, Mapping) and user_plan:
+        return user_plan
     llamas = find_llama_modules(module)
     if not llamas:
         raise V17ConfigError(
             f"tp={tp} needs a tensor-parallel plan but {type(module).__name__} has none: implement "
-            f"configure_tensor_parallel(self, mesh) or set a `tp_plan` dict {{fqn: ParallelStyle}}, or use a model "
-            f"with torchtitan-style names (tok_embeddings, layers ModuleDict, norm, output)"
+            f"configure_tensor_parallel(self, mesh) or set a `tp_plan` dict {{fqn: style}}, or pass "
+            f"plan=lightning_v17.models.tp_plans.resolve_tp_plan(module) (Hugging Face, litgpt and torchtitan-style "
+            f"models supply their own)"
         )
-    for _, llama in llamas:
+    plan: dict[str, ParallelStyle] = {}
+    for prefix, llama in llamas:
         check_tensor_parallel(llama, tp=tp, vocab_parallel=vocab_parallel, loss_parallel=loss_parallel)
         if getattr(getattr(llama, "config", None), "tie_embeddings", False) and (vocab_parallel or loss_parallel):
             raise V17ConfigError(
                 "vocab_parallel/loss_parallel with tie_embeddings=True would shard the shared table two ways; "
                 "set tie_embeddings=False or turn the vocab-parallel options off"
             )
-        plan = llama_tp_plan(
+        sub = llama_tp_plan(
             llama, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, loss_parallel=loss_parallel
         )
-        parallelize_module(llama, tp_mesh, plan)
-    return module
+        plan.update({f"{prefix}.{k}" if prefix else k: v for k, v in sub.items()})
+    return plan
 
 
 @contextlib.contextmanager
@@ -341,6 +655,9 @@ def loss_parallel_context(enabled: bool = True) -> Iterator[None]:
 
     With loss parallel the logits are a DTensor sharded on the vocab dim; ``F.cross_entropy`` and its backward must
     both run inside this context (wrap the training step's forward/loss and ``backward``).
+
+    Args:
+        enabled: enter torch's ``loss_parallel()``; False makes this a no-op context.
     """
     if not enabled:
         yield

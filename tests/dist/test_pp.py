@@ -36,6 +36,7 @@ def _pp_worker(rank: int, world: int, tmp: str) -> dict:
 
     from lightning_v17.config import PipelinePolicy
     from lightning_v17.engine.pipeline import build_schedule, pipeline_eval, pipeline_step, split_model
+    from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     torch.set_num_threads(1)
     pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
@@ -56,7 +57,9 @@ def _pp_worker(rank: int, world: int, tmp: str) -> dict:
     for schedule, v in SCHEDULES:
         policy = PipelinePolicy(schedule=schedule, microbatches=4, virtual_stages=v)
         model = copy.deepcopy(base)
-        stage_modules, stage_ids = split_model(model, pp_rank=rank, pp=2, policy=policy)
+        stage_modules, stage_ids = split_model(
+            model, layout=model_pipeline_layout(model), pp_rank=rank, pp=2, policy=policy
+        )
         runtime = build_schedule(stage_modules, stage_ids=stage_ids, pp_mesh=pp_mesh, policy=policy, device="cpu")
         opt = make_optimizer(model.parameters())  # the pruned model holds exactly this rank's stage parameters
         losses, bubbles = [], []
@@ -104,6 +107,7 @@ def _loss_mask_check(rank, base, pp_mesh) -> dict:
 
     from lightning_v17.config import PipelinePolicy
     from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+    from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     b = packed_batch(6)
     b["loss_mask"] = torch.rand(b["labels"].shape, generator=torch.Generator().manual_seed(3))
@@ -115,7 +119,7 @@ def _loss_mask_check(rank, base, pp_mesh) -> dict:
     ref_loss.backward()
     policy = PipelinePolicy(schedule="1f1b", microbatches=4)
     model = copy.deepcopy(base)
-    views, ids = split_model(model, pp_rank=rank, pp=2, policy=policy)
+    views, ids = split_model(model, layout=model_pipeline_layout(model), pp_rank=rank, pp=2, policy=policy)
     rt = build_schedule(views, stage_ids=ids, pp_mesh=pp_mesh, policy=policy, device="cpu")
     loss = float(pipeline_step(rt, b))
     ref_grads = dict(ref.named_parameters())
@@ -127,12 +131,13 @@ def _loss_scale_check(rank, base, pp_mesh) -> dict:
     """fp16 loss scaling through the schedule: gradients scale by S, the returned loss does not."""
     from lightning_v17.config import PipelinePolicy
     from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+    from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     policy = PipelinePolicy(schedule="gpipe", microbatches=4)
     grads, losses = [], []
     for scale in (None, 1024.0):
         model = copy.deepcopy(base)
-        views, ids = split_model(model, pp_rank=rank, pp=2, policy=policy)
+        views, ids = split_model(model, layout=model_pipeline_layout(model), pp_rank=rank, pp=2, policy=policy)
         rt = build_schedule(views, stage_ids=ids, pp_mesh=pp_mesh, policy=policy, device="cpu")
         losses.append(float(pipeline_step(rt, packed_batch(5), loss_scale=scale)))
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
@@ -145,6 +150,7 @@ def _checkpoint_roundtrip(rank, tmp, pp_model, base, ref_params, pp_mesh) -> dic
     from lightning_v17.config import PipelinePolicy
     from lightning_v17.engine.checkpoint import load_full_state_dict, load_sharded, save_sharded
     from lightning_v17.engine.pipeline import split_model
+    from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     path = f"{tmp}/pp2"
     save_sharded(path, app_state={"model": pp_model.state_dict()}, trainer_state={}, meta={"pp": 2})
@@ -168,7 +174,13 @@ def _checkpoint_roundtrip(rank, tmp, pp_model, base, ref_params, pp_mesh) -> dic
         dist.new_group([0])  # new_group is collective over the world
     dist.barrier()
     fresh = tiny_model(7)  # different weights, overwritten by the load
-    split_model(fresh, pp_rank=rank, pp=2, policy=PipelinePolicy(schedule="1f1b", microbatches=4))
+    split_model(
+        fresh,
+        layout=model_pipeline_layout(fresh),
+        pp_rank=rank,
+        pp=2,
+        policy=PipelinePolicy(schedule="1f1b", microbatches=4),
+    )
     load_sharded(path1, app_state={"model": fresh.state_dict()}, process_group=dist.new_group([rank]))
     pp1_to_pp2 = compare_params(dict(fresh.named_parameters()), ref_params)
     return {"pp2_to_pp1": pp2_to_pp1, "pp1_to_pp2": pp1_to_pp2}

@@ -37,6 +37,7 @@ def _pp_dp_zero1(base) -> dict:
     from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
     from lightning_v17.engine.zero import apply_zero
     from lightning_v17.mesh import build_device_mesh
+    from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     mesh = build_device_mesh(MeshSpec(pp=2, dp_shard=2), device_type="cpu")
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -44,7 +45,9 @@ def _pp_dp_zero1(base) -> dict:
     ref_losses, ref_params = reference_run(base, steps)
     policy = PipelinePolicy(schedule="1f1b", microbatches=4)
     model = copy.deepcopy(base)
-    stage_modules, stage_ids = split_model(model, pp_rank=pp_rank, pp=2, policy=policy)
+    stage_modules, stage_ids = split_model(
+        model, layout=model_pipeline_layout(model), pp_rank=pp_rank, pp=2, policy=policy
+    )
     engine = apply_zero(model, stage=1, mesh=mesh)  # ZeRO-1 over this stage's dp group
     runtime = build_schedule(stage_modules, stage_ids=stage_ids, pp_mesh=mesh["pp"], policy=policy, device="cpu")
     opt = engine.shard_optimizer(make_optimizer(model.parameters()))
@@ -104,13 +107,16 @@ def _pp_tp(base) -> dict:
     from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
     from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
     from lightning_v17.mesh import build_device_mesh
+    from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     mesh = build_device_mesh(MeshSpec(pp=2, tp=2), device_type="cpu")
     steps = _batches(1, 500)
     ref_losses, ref_params = reference_run(base, steps)
     policy = PipelinePolicy(schedule="interleaved_1f1b", microbatches=4, virtual_stages=2)
     model = copy.deepcopy(base)
-    stage_modules, stage_ids = split_model(model, pp_rank=mesh["pp"].get_local_rank(), pp=2, policy=policy)
+    stage_modules, stage_ids = split_model(
+        model, layout=model_pipeline_layout(model), pp_rank=mesh["pp"].get_local_rank(), pp=2, policy=policy
+    )
     # TP on the pruned model: the stage views share its submodules, so they are parallelized too
     apply_tensor_parallel(model, tp_mesh=mesh["tp"], sequence_parallel=True, vocab_parallel=True, loss_parallel=True)
     runtime = build_schedule(

@@ -207,6 +207,7 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
     from lightning_v17.engine import zero as Z
     from lightning_v17.engine.checkpoint import load_sharded, save_sharded
     from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+    from lightning_v17.engine.zero_backend import ZeroBackend
     from lightning_v17.mesh import build_device_mesh
     from lightning_v17.models import Llama, ModelConfig
 
@@ -222,7 +223,7 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)).backward()
         opt.step()
         if engine is not None:
-            engine.gather_params()
+            engine.after_optimizer_step()
 
     ref = Llama(cfg, init_seed=0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -235,25 +236,29 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
         apply_tensor_parallel(model, tp_mesh=mesh["tp"])
         engine = Z.apply_zero(model, stage=1, mesh=mesh)
         opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-        return model, engine, opt
+        backend = ZeroBackend(
+            model, stage=1, engine=engine, shard_group=mesh["dp_shard"].get_group(), shard_size=spec.dp_shard,
+            dp_size=spec.dp, bucket_mb=25.0,
+        )  # fmt: skip
+        return model, backend, opt
 
     model, engine, opt = build(MeshSpec(dp_shard=2, tp=2))
     step(model, opt, engine)  # every dp rank sees the same rows: the dp mean is the single-process gradient
     path = Path(root) / "tp_dp"
-    save_sharded(path, app_state=SD.get_state_dicts(model, [opt], stage=1), trainer_state={}, meta={})
+    save_sharded(path, app_state=SD.get_state_dicts(model, [opt], backend=engine), trainer_state={}, meta={})
 
     model2, engine2, opt2 = build(MeshSpec(dp_shard=4))
-    app = SD.get_state_dicts(model2, [opt2], stage=1)
+    app = SD.get_state_dicts(model2, [opt2], backend=engine2)
     own = SD.param_group_lists(app)
     load_sharded(path, app_state=app)
     SD.restore_param_group_lists(app, own)
-    SD.set_state_dicts(model2, [opt2], app, stage=1)
+    SD.set_state_dicts(model2, [opt2], app, backend=engine2)
     errs: dict[str, float] = {}
     for name, p in model2.named_parameters():
         errs[f"param {name}"] = _rel(p.detach(), dict(ref.named_parameters())[name].detach())
     for group in opt2.param_groups:
         for shard in group["params"]:
-            e = engine2.by_shard[id(shard)]
+            e = engine2.engine.by_shard[id(shard)]
             for key in ("exp_avg", "exp_avg_sq"):
                 want = ref_state[e.fqn][key].reshape(e.rows, -1)[e.start : e.stop].reshape(shard.shape)
                 errs[f"{key} {e.fqn}"] = _rel(opt2.state[shard][key], want)

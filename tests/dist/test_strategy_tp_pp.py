@@ -155,17 +155,20 @@ def test_fp16_loss_scaling_through_the_pipeline(results: list[dict]) -> None:
 
 
 def test_strategy_errors_name_the_option_and_the_fix() -> None:
-    """No processes needed: the checks run at construction, in resolve_mesh and in validate_model (called by
-    _setup_model before anything is split or sharded)."""
+    """No processes needed: the checks run at construction, in resolve_mesh, and in the plan resolution and split
+    that V17Strategy._setup_model runs before anything is split or sharded."""
     from lightning_v17.strategies import V17Strategy
 
-    from lightning_v17.config import MeshSpec, V17ConfigError
+    from lightning_v17.config import PipelinePolicy, V17ConfigError
+    from lightning_v17.engine.pipeline import split_model
     from lightning_v17.models import LlamaLM
+    from lightning_v17.models.pp_layouts import model_pipeline_layout
+    from lightning_v17.models.tp_plans import resolve_tp_plan
 
     lm = LlamaLM(model="tiny")  # 8 heads, 4 kv heads, 4 blocks
     lm.configure_model()
     with pytest.raises(V17ConfigError, match=r"tp=3 must divide num_attention_heads=8.*try tp in \{1, 2, 4\}"):
-        V17Strategy(tp=3).validate_model(lm, MeshSpec.resolve(3, tp=3))
+        resolve_tp_plan(lm).validate(3)
     with pytest.raises(V17ConfigError, match=r"= 8 does not equal the world size 4.*dp_shard='auto'"):
         V17Strategy(pp=2, tp=2, dp_shard=2, zero_stage=1).resolve_mesh(4)
     with pytest.raises(V17ConfigError, match=r"world size 2 is not divisible by .* = 3"):
@@ -175,10 +178,14 @@ def test_strategy_errors_name_the_option_and_the_fix() -> None:
             V17Strategy(pp=2, zero_stage=stage)
     with pytest.raises(V17ConfigError, match="pp=2 with zero_stage=2"):  # also when the stage comes from a DS config
         V17Strategy(pp=2, config={"zero_optimization": {"stage": 2}})
-    with pytest.raises(V17ConfigError, match=r"8 pipeline stages but the model has 4 blocks.*lower pp"):
-        V17Strategy(pp=4, virtual_stages=2, pp_schedule="interleaved_1f1b", zero_stage=1).validate_model(
-            lm, MeshSpec.resolve(4, pp=4)
-        )
+    with pytest.raises(V17ConfigError, match=r"8 pipeline stages but the model has only 4 blocks.*lower pp"):
+        policy = PipelinePolicy(schedule="interleaved_1f1b", virtual_stages=2)
+        split_model(lm, layout=model_pipeline_layout(lm), pp_rank=0, pp=4, policy=policy)
+    for option in ({"sequence_parallel": True}, {"tp_plan": {"model.x": "colwise"}}):  # accepted but unusable
+        with pytest.raises(V17ConfigError, match="applies only with tp > 1"):
+            V17Strategy(**option)
+    with pytest.raises(V17ConfigError, match="applies only with pp > 1"):
+        V17Strategy(pp_split_points=["model.layers.2"])
 
 
 @pytest.mark.timeout(400)

@@ -43,8 +43,11 @@ def _fit(case: dict) -> dict:
     x, y = make_data(STEPS * WORLD4 * PER_RANK4)
     ds = TensorDataset(x, y)
     sampler = DistributedSampler(ds, num_replicas=WORLD4, rank=int(__import__("os").environ["RANK"]), shuffle=False)
+    from lightning_v17.callbacks import MemoryBuckets
+
     model = Lit()
-    trainer = L.Trainer(
+    mem = MemoryBuckets(every_n_steps=1)
+    trainer = L.Trainer(callbacks=[mem],
         accelerator="cpu", devices=WORLD4, max_steps=STEPS, use_distributed_sampler=False,
         strategy=V17Strategy(zero_stage=case["stage"], dp_replicate=2, dp_shard=2),
         gradient_clip_val=case.get("clip"), logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -53,7 +56,11 @@ def _fit(case: dict) -> dict:
     trainer.fit(model, DataLoader(ds, batch_size=PER_RANK4, sampler=sampler))
     losses = torch.tensor(model.losses)
     dist.all_reduce(losses)
-    return {"losses": (losses / WORLD4).tolist(), "params": _full_params(model), "mesh": model.mesh}
+    return {
+        "losses": (losses / WORLD4).tolist(), "params": _full_params(model), "mesh": model.mesh,
+        "measured": mem.measured.__dict__, "planned": None if mem.planned is None else mem.planned.__dict__,
+        "note": mem.plan_note,
+    }  # fmt: skip
 
 
 def _worker(rank: int, world_size: int) -> dict:
@@ -80,3 +87,17 @@ def test_hsdp_2x2_matches_one_process(results: list[dict], name: str) -> None:
         for a, b in zip(got["losses"], ref["losses"], strict=True):
             assert _rel(a, b) <= 1e-5, (got["losses"], ref["losses"])
         _assert_params_close(got["params"], ref["params"], 1e-5)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name", ["s1", "s2", "s3"])
+def test_memory_buckets_under_hsdp_match_the_planner(results: list[dict], name: str) -> None:
+    """Every stage partitions over dp_shard (2), not over all 4 data-parallel ranks: the planner, fed the layout the
+    ZeRO backend reports, must agree with the bytes counted from real tensor storage within 5%."""
+    for rank, r in enumerate(results):
+        got = r[name]
+        assert got["planned"] is not None, got["note"]
+        assert "dp=2" in got["note"], got["note"]
+        for bucket in ("param", "grad", "optimizer"):
+            planned, measured = got["planned"][bucket], got["measured"][bucket]
+            assert abs(measured - planned) <= 0.05 * planned, (name, rank, bucket, measured, planned)

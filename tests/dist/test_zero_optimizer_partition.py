@@ -71,7 +71,7 @@ def _fit(case: dict, tmp: str) -> dict:
     class Lit(_lit_cls(make_opt)):
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             super().on_train_batch_end(outputs, batch, batch_idx)
-            self.owner_mode = bool(self.trainer.strategy._engine.owner_mode)
+            self.owner_mode = bool(self.trainer.strategy.zero.engine.owner_mode)
             opt = self.trainer.optimizers[0]
             states = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
             self.opt_state_numel = sum(v.numel() for v in states)

@@ -1,0 +1,266 @@
+"""The ONE place that composes the parallelism axes for any ``nn.Module`` (torchtitan's ``parallelize_llama``, for any
+model): validate once, then PP split -> TP -> activation checkpointing -> (FP8) -> ZeRO (-> offload) -> identical
+initial weights on every replica.
+
+Why this order (torchtitan's, and Megatron's before it):
+
+1. **PP split first**: it prunes the model in place to this rank's stages, so everything after it only touches (and
+   allocates) the local stages.
+2. **TP** before ZeRO: TP turns parameters into DTensors on the ``tp`` axis; ``fully_shard`` then adds the dp axis
+   on top and sees one uniform 2-D layout (FSDP2 + TP, torchtitan's ``apply_fsdp`` after ``apply_tp``).
+3. **Activation checkpointing** wraps the blocks' ``forward`` after TP (so recomputation replays the TP
+   collectives' local ops) and before ``fully_shard`` (whose hooks sit around ``__call__`` and unshard before the
+   recomputation).
+4. **FP8** conversion goes here: after TP (torchao's float8 TP styles) and before ZeRO (float8 all-gather).
+5. **ZeRO** last; with stage 3 the meta-device model is materialized shard by shard afterwards.
+6. **Replicas agree**: every parameter is broadcast over the axes it is replicated on (``dp_replicate`` for HSDP,
+   the whole ``dp`` group at stages 0-2, ``tp`` for tp-replicated parameters), so ranks that drew different random
+   initial weights never train different replicas.
+
+The function knows no model family: plans (a TP plan, a pipeline layout, a loss) are handed to it, resolved by the
+caller from the user's options, the LightningModule's hooks or the model's own plan (``lightning_v17.models``).
+It does not import Lightning and is tested without it (``tests/dist/test_parallelize.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_v17.config import Recompute, Tier, TrainingPolicy, V17ConfigError
+from lightning_v17.engine import fsdp as fsdp_engine
+from lightning_v17.engine import zero as zero_engine
+from lightning_v17.engine.recompute import apply_activation_checkpointing
+from lightning_v17.engine.zero_backend import ZeroBackend
+from lightning_v17.mesh import MeshRuntime
+
+__all__ = ["Parallelized", "apply_zero_stage", "check_composition", "parallelize", "sync_replicas"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` did to a module, and the objects that run it.
+
+    Attributes:
+        module: the same module, transformed in place.
+        zero: the applied ZeRO stage (ask it what is sharded, how to sync, how to save the optimizer).
+        pipeline: the pipeline runtime when pp > 1 (``engine.pipeline.PipelineRuntime``), else None.
+        units: the repeated blocks (recompute units and ZeRO-3 FSDP units); empty if the model has none.
+        recompute: the activation checkpointing mode applied to ``units``.
+    """
+
+    module: nn.Module
+    zero: ZeroBackend
+    pipeline: Any
+    units: list[nn.Module]
+    recompute: Recompute
+
+
+def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
+    """The combinations of options that cannot work, refused before any process touches the model.
+
+    Raises:
+        V17ConfigError: naming the option and the fix.
+    """
+    stage = policy.zero.stage
+    if pp > 1:
+        from lightning_v17.engine.pipeline import check_pipeline_composition
+
+        check_pipeline_composition(pp=pp, zero_stage=stage)
+    if policy.offload.params == Tier.CPU and stage != 3:
+        raise V17ConfigError("offload_params='cpu' shards parameters to CPU and needs zero_stage=3")
+
+
+def _units(module: nn.Module, policy: TrainingPolicy) -> list[nn.Module]:
+    units = fsdp_engine.find_wrap_units(module, policy.zero.wrap_classes)
+    if units:
+        return units
+    fix = (
+        f"{type(module).__name__} has no repeated blocks (no nn.ModuleList/ModuleDict of blocks was found); name "
+        "the block classes with wrap_classes=[...] (e.g. wrap_classes=['DecoderLayer'])"
+    )
+    if policy.recompute != Recompute.NONE:
+        raise V17ConfigError(f"activation_checkpointing={policy.recompute.value!r} checkpoints each block, but {fix}")
+    if policy.zero.stage == 3:
+        log.warning("zero_stage=3: the whole model is one FSDP unit (all-gathered at once), because %s", fix)
+    return units
+
+
+def apply_zero_stage(
+    module: nn.Module,
+    *,
+    mesh: MeshRuntime,
+    policy: TrainingPolicy,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> ZeroBackend:
+    """Apply ``policy.zero`` (and parameter offload) over the data-parallel axes; materialize a meta model.
+
+    Args:
+        module: the (already split / tensor-parallel / checkpointed) model.
+        mesh: the live mesh.
+        policy: the training policy (``zero``, ``offload``).
+        device: where parameters live.
+        param_dtype: stage 3 compute dtype (FSDP2 ``MixedPrecisionPolicy``); None keeps the parameters' dtype.
+        reduce_dtype: gradient reduction dtype.
+    """
+    z = policy.zero
+    engine = zero_engine.apply_zero(
+        module,
+        stage=z.stage,
+        mesh=mesh.device_mesh,
+        bucket_mb=z.bucket_mb,
+        optimizer_partition=z.optimizer_partition,
+        reshard_after_forward=z.reshard_after_forward,
+        wrap_classes=z.wrap_classes,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        offload_params=policy.offload.params == Tier.CPU,
+    )
+    fsdp_engine.materialize_meta_module(module, device=device)
+    return ZeroBackend(
+        module,
+        stage=z.stage,
+        engine=engine,
+        shard_group=mesh.group("dp_shard"),
+        shard_size=mesh.spec.dp_shard,
+        dp_size=mesh.spec.dp,
+        bucket_mb=z.bucket_mb,
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tp_sharded(t: torch.Tensor) -> bool:
+    """Whether a (DTensor) parameter is split on some mesh axis other than the data-parallel ones: its local pieces
+    differ across tp ranks by construction and must not be broadcast over tp."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return False
+    names = mesh.mesh_dim_names or ()
+    return any(pl.is_shard() for name, pl in zip(names, t.placements) if name == "tp")
+
+
+@torch.no_grad()
+def sync_replicas(module: nn.Module, *, mesh: MeshRuntime, backend: ZeroBackend) -> None:
+    """Broadcast every parameter and buffer over the mesh axes it is replicated on, from the first rank of each.
+
+    * ``dp_replicate`` (HSDP) at stage 3, the whole ``dp`` group at stages 0-2 (DDP's ``_sync_module_states``);
+    * ``tp`` for what TP leaves replicated (norms, unsharded embeddings, plain tensors outside the plan).
+
+    Ranks that drew different random initial weights (a different seed per rank, or RNG streams that diverged
+    before ``fit``) then hold one model; without it HSDP replicas would train apart for the whole run.
+    ``dp_shard`` pieces of a stage-3 parameter are disjoint and ``pp`` stages hold different parameters, so neither
+    axis is broadcast over.
+    """
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    dp_axis = "dp_replicate" if backend.shards_params else "dp"
+    axes = [(dp_axis, tensors), ("tp", [t for t in tensors if not _tp_sharded(t)])]
+    for axis, group_tensors in axes:
+        if mesh[axis].size() > 1 and group_tensors:
+            # _broadcast_coalesced takes the source as a rank *within* the group (its first rank is 0 there).
+            dist._broadcast_coalesced(mesh.group(axis), [_local(t).data for t in group_tensors], 250 * 2**20, 0)
+
+
+def parallelize(
+    module: nn.Module,
+    *,
+    mesh: MeshRuntime,
+    policy: TrainingPolicy,
+    device: torch.device | str,
+    tp_plan: Mapping[str, Any] | Callable[[nn.Module, Any], None] | None = None,
+    pp_layout: Any = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> Parallelized:
+    """Apply every parallelism axis of ``policy`` to ``module`` in place, in torchtitan's order; see the module doc.
+
+    Calling it again on the same module (Lightning runs ``validate``/``test`` after ``fit``) re-attaches only what
+    the previous run's teardown removed (the stage 0-2 gradient hooks); the structure is never transformed twice.
+
+    Args:
+        module: any ``nn.Module`` (a LightningModule too); parameters may be on the meta device at stage 3.
+        mesh: the live 5-axis mesh (``MeshRuntime``).
+        policy: the parsed options (ZeRO, offload, pipeline, recompute, sequence parallel).
+        device: the device of this rank.
+        tp_plan: with tp > 1, the resolved TP plan (``{fqn or wildcard: style}`` or a callable that applies itself;
+            see ``lightning_v17.models.tp_plans.resolve_tp_plan``).
+        pp_layout: with pp > 1, how to cut the model (``engine.pipeline.PipelineLayout``; see
+            ``lightning_v17.models.pp_layouts.model_pipeline_layout``).
+        loss_fn: with pp > 1, an optional ``loss_fn(logits, micro_batch) -> mean loss`` (the LightningModule's
+            ``pipeline_loss``); None: token-mean cross-entropy against ``labels``.
+        param_dtype: stage 3 compute dtype for mixed precision.
+        reduce_dtype: gradient reduction dtype.
+
+    Returns:
+        A :class:`Parallelized` holding the ZeRO backend, the pipeline runtime (pp > 1) and the units.
+
+    Raises:
+        V17ConfigError: an unsupported combination, a missing plan or layout, recompute without blocks.
+    """
+    device = torch.device(device)
+    done: Parallelized | None = getattr(module, "_v17_parallel", None)
+    if done is not None:
+        if not done.zero.active:
+            done.zero = apply_zero_stage(
+                module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+            )
+        return done
+    spec = mesh.spec
+    check_composition(policy, pp=spec.pp, tp=spec.tp)
+    if spec.pp > 1 and pp_layout is None:
+        raise V17ConfigError(
+            f"pp={spec.pp} needs to know where to cut {type(module).__name__}: models shaped embedding -> blocks -> "
+            "norm -> head (the reference Llama, Hugging Face *ForCausalLM, litgpt GPT) are split automatically; for "
+            "another model give the LightningModule a pipeline layout, or use pp=1"
+        )
+    if spec.tp > 1 and tp_plan is None:
+        raise V17ConfigError(
+            f"tp={spec.tp} needs a tensor-parallel plan for {type(module).__name__}: pass tp_plan={{fqn: style}}, "
+            "define configure_tensor_parallel(mesh) or a tp_plan dict on the LightningModule, or use a model that "
+            "ships one (the reference Llama, Hugging Face models' base_model_tp_plan)"
+        )
+
+    pipeline = None
+    if spec.pp > 1:  # 1. cut the model into this rank's stages (in place; FQNs kept)
+        from lightning_v17.engine.pipeline import build_schedule, split_model
+
+        stage_modules, stage_ids = split_model(
+            module, layout=pp_layout, pp_rank=mesh.rank("pp"), pp=spec.pp, policy=policy.pipeline
+        )
+    if spec.tp > 1:  # 2. DTensor plans over the tp axis
+        from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.sequence_parallel)
+    units = _units(module, policy)
+    apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 3. recompute the blocks
+    # 4. (FP8 conversion goes here: after TP, before ZeRO's all-gathers.)
+    backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model
+        module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+    )
+    sync_replicas(module, mesh=mesh, backend=backend)  # 6. one model on every replica
+    if spec.pp > 1:
+        pipeline = build_schedule(
+            stage_modules,
+            stage_ids=stage_ids,
+            pp_mesh=mesh["pp"],
+            policy=policy.pipeline,
+            device=device,
+            loss_fn=loss_fn,
+            shift_labels=getattr(pp_layout, "shift_labels", False),
+        )
+    out = Parallelized(module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute)
+    module._v17_parallel = out  # type: ignore[assignment]
+    return out

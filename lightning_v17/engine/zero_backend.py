@@ -1,0 +1,184 @@
+"""One object that answers every question about the ZeRO stage (DESIGN.md: "decide once, ask the object").
+
+Stages 0-2 run on :class:`lightning_v17.engine.zero.ZeroEngine` (our bucketed reducer and optimizer partition over
+replicated parameters); stage 3 runs on FSDP2 (:mod:`lightning_v17.engine.fsdp`). The strategy, the state-dict
+helpers, gradient clipping, ``MemoryBuckets`` and ``AsyncCheckpoint`` used to re-decide what a stage means
+(``zero_stage == 3``, ``stage in (1, 2)``); they ask a :class:`ZeroBackend` instead:
+
+* what is sharded (``shards_params`` / ``shards_grads`` / ``shards_optimizer``), over which axis (``shard_axis``:
+  always ``dp_shard``; the ``dp_replicate`` axis of HSDP only replicates) and how many ways (``shard_size``);
+* gradient synchronisation: :meth:`no_sync` (accumulation), and the per-step hooks the pipeline needs
+  (``require_grad_sync`` / :meth:`finish_grad_sync`);
+* the optimizer: :meth:`prepare_optimizers` (partition before the first step), :meth:`after_optimizer_step`
+  (make the replicated parameters whole again), :meth:`optimizer_state_dict` / :meth:`load_optimizer_state_dict`;
+* bytes: :meth:`bucket_bytes` (the gradient bucket the planner counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_v17.engine import fsdp as fsdp_engine
+from lightning_v17.engine.zero import ZeroEngine
+
+__all__ = ["ZeroBackend"]
+
+
+class ZeroBackend:
+    """The applied ZeRO stage of one module, and every answer that depends on it.
+
+    Args:
+        module: the model the stage was applied to.
+        stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters; FSDP2).
+        engine: the :class:`ZeroEngine` for stages 0-2; None for stage 3.
+        shard_group: process group of the ``dp_shard`` axis (what stages 1-3 partition over).
+        shard_size: size of that axis.
+        dp_size: all data-parallel ranks (``dp_replicate * dp_shard``).
+        bucket_mb: gradient bucket size of stages 0-2 in MiB.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        engine: ZeroEngine | None,
+        shard_group: Any,
+        shard_size: int,
+        dp_size: int,
+        bucket_mb: float,
+    ) -> None:
+        if (engine is None) != (stage == 3):
+            raise ValueError(f"ZeroBackend(stage={stage}) needs a ZeroEngine exactly for stages 0-2")
+        self.module = module
+        self.stage = stage
+        self.engine = engine
+        self.shard_group = shard_group
+        self.shard_size = shard_size
+        self.dp_size = dp_size
+        self.bucket_mb = bucket_mb
+        #: False after :meth:`remove` (Trainer teardown): the stage must be applied again before the next run
+        self.active = True
+
+    # ------------------------------------------------------------------ what is sharded
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.stage >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        return self.stage >= 3
+
+    #: the mesh axis stages 1-3 partition over (``dp_replicate`` only replicates, HSDP)
+    shard_axis = "dp_shard"
+
+    @property
+    def deferred_init(self) -> bool:
+        """Whether ``configure_model`` may build on the meta device (only sharded parameters are materialized)."""
+        return self.shards_params
+
+    def grads_are_sharded(self) -> bool:
+        """Whether the optimizer's gradients are disjoint pieces over :attr:`shard_group` (global-norm clipping must
+        then all-reduce the squared norm); False at stage 0, where every rank holds the whole gradient."""
+        return self.shards_optimizer
+
+    def is_tp_sharded(self, p: torch.Tensor) -> bool:
+        """Whether optimizer parameter ``p`` is a local piece of a tensor-parallel-sharded parameter (stages 0-2;
+        stage 3 parameters are DTensors that carry their own placements)."""
+        return self.engine.is_tp_sharded(p) if self.engine is not None else False
+
+    def bucket_bytes(self) -> int:
+        """Bytes of one gradient bucket (stages 1-2: DeepSpeed's ``reduce_bucket_size``); 0 where there is none."""
+        return int(self.bucket_mb * 2**20) if self.stage in (1, 2) else 0
+
+    # ------------------------------------------------------------------ gradient synchronisation
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally, without communication (DDP's ``no_sync``; FSDP2's
+        ``set_requires_gradient_sync(False)``)."""
+        if self.engine is not None:
+            prev = self.engine.require_grad_sync
+            self.engine.require_grad_sync = False
+            try:
+                yield
+            finally:
+                self.engine.require_grad_sync = prev
+        else:
+            fsdp_engine.set_requires_gradient_sync(self.module, False)
+            try:
+                yield
+            finally:
+                fsdp_engine.set_requires_gradient_sync(self.module, True)
+
+    @property
+    def require_grad_sync(self) -> bool:
+        """Whether the next backward communicates (the pipeline switches this off per micro-batch)."""
+        return self.engine.require_grad_sync if self.engine is not None else True
+
+    @require_grad_sync.setter
+    def require_grad_sync(self, value: bool) -> None:
+        if self.engine is None:
+            raise RuntimeError("stage 3 synchronises per FSDP unit; use no_sync()")
+        self.engine.require_grad_sync = value
+
+    def finish_grad_sync(self) -> None:
+        """Reduce the gradients accumulated while ``require_grad_sync`` was False (stages 0-2)."""
+        if self.engine is not None:
+            self.engine.finish_grad_sync()
+
+    # ------------------------------------------------------------------ optimizer
+    def prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Partition the optimizers' state (stages 1-2) before their first step; stage 3 needs nothing (FSDP2's
+        parameters are already the shards)."""
+        optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
+        if self.engine is None:
+            return
+        self.engine.choose_partition(optimizers)
+        for opt in optimizers:
+            self.engine.shard_optimizer(opt)
+
+    def after_optimizer_step(self) -> None:
+        """Stages 1-2: every rank stepped its part; all-gather (or broadcast) it into the replicated parameters."""
+        if self.engine is not None:
+            self.engine.gather_params()
+
+    def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """FQN-keyed optimizer state for DCP: DTensor shards (stages 1-3) or whole tensors (stage 0)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            _init_optim_state,
+            get_optimizer_state_dict,
+        )
+
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
+            _init_optim_state(opt)  # empty state gets tensors (a zero-lr step), so that DCP has something to load
+            return self.engine.optimizer_state_dict(opt)
+        return get_optimizer_state_dict(self.module, opt, options=StateDictOptions(full_state_dict=False))
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """Load what :meth:`optimizer_state_dict` produced (after ``dcp.load`` filled it in place)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
+            self.engine.load_optimizer_state_dict(opt, state)
+        else:
+            set_optimizer_state_dict(self.module, opt, state, options=StateDictOptions(full_state_dict=False))
+
+    # ------------------------------------------------------------------ lifetime
+    def remove(self) -> None:
+        """Detach the stage 0-2 gradient hooks (Trainer teardown). FSDP2's sharding stays: it is the model's
+        layout now, and a following validate/test runs on it."""
+        if self.engine is not None:
+            self.engine.remove()
+            self.active = False

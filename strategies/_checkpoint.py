@@ -1,0 +1,72 @@
+"""V17Strategy's sharded checkpoints: every rank writes its shards (DCP, ``engine/checkpoint.py``), and a checkpoint
+loads into any ZeRO stage, world size or mesh (reshard on load)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_v17.config import AXIS_ORDER, V17ConfigError
+from lightning_v17.engine import state_dict as state_engine
+
+if TYPE_CHECKING:
+    from lightning_v17.strategies.v17 import V17Strategy
+
+
+def meta(strategy: V17Strategy, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What the checkpoint's ``meta.json`` records about the run that wrote it."""
+    import lightning
+
+    spec = strategy.mesh.spec
+    return {
+        "world_size": strategy.world_size,
+        "mesh": {a.value: spec.size(a) for a in AXIS_ORDER},
+        "zero_stage": strategy.zero.stage,
+        "step": checkpoint.get("global_step"),
+        "epoch": checkpoint.get("epoch"),
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
+    }
+
+
+def save(strategy: V17Strategy, checkpoint: dict[str, Any], filepath: Any) -> None:
+    """Write a sharded checkpoint directory; the model and optimizer states leave ``checkpoint`` for the shards."""
+    from lightning_v17.engine.checkpoint import save_sharded
+
+    path = Path(strategy.broadcast(filepath))
+    app_state: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
+    optim_states = checkpoint.pop("optimizer_states", [])
+    if optim_states:
+        app_state["optim"] = state_engine.merge_optim(optim_states)
+    save_sharded(path, app_state=app_state, trainer_state=checkpoint, meta=meta(strategy, checkpoint))
+
+
+def load(strategy: V17Strategy, checkpoint_path: Any) -> dict[str, Any]:
+    """Load a sharded checkpoint into the sharded model and optimizers in place; returns the trainer state."""
+    from lightning_v17.engine.checkpoint import is_sharded_checkpoint, load_sharded
+
+    path = Path(strategy.broadcast(checkpoint_path))
+    if not is_sharded_checkpoint(path):
+        raise V17ConfigError(
+            f"ckpt_path={str(path)!r} is not a V17 sharded checkpoint directory; V17Strategy resumes from the "
+            "directories it writes (convert a full checkpoint by loading it into the module before fit)"
+        )
+    assert strategy.model is not None
+    app_state = state_engine.get_state_dicts(strategy.model, strategy.optimizers, backend=strategy.zero)
+    own_groups = state_engine.param_group_lists(app_state)
+    trainer_state, _meta = load_sharded(path, app_state=app_state)
+    # A checkpoint from another pipeline split lists other stages' FQNs in its param groups: keep our own.
+    state_engine.restore_param_group_lists(app_state, own_groups)
+    state_engine.set_state_dicts(strategy.model, strategy.optimizers, app_state, backend=strategy.zero)
+    return trainer_state
+
+
+def remove(filepath: Any) -> None:
+    """Delete a checkpoint directory (or a single file) that a ``ModelCheckpoint`` rotated out."""
+    path = Path(filepath)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,95 @@
+"""V17Strategy's constructor arguments -> one frozen :class:`~lightning_v17.config.TrainingPolicy`, parsed once.
+
+Three sources, in this order of precedence: a flat constructor argument that differs from its default (what the
+Lightning CLI and YAML set), a policy object (``zero=ZeroPolicy(...)``, for Python users; never together with the
+flat arguments it covers), a DeepSpeed JSON config (``config=``), then the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from lightning_v17.config import (
+    OffloadPolicy,
+    PipelinePolicy,
+    Recompute,
+    Tier,
+    TrainingPolicy,
+    V17ConfigError,
+    ZeroPolicy,
+    from_deepspeed_config,
+)
+
+#: Constructor defaults of the options a DeepSpeed config or a policy object can also set.
+DEFAULTS: dict[str, Any] = {
+    "zero_stage": 3, "activation_checkpointing": "none", "reshard_after_forward": None, "bucket_mb": 25.0,
+    "offload_optimizer": "none", "offload_params": "none", "wrap_classes": (), "optimizer_partition": "auto",
+    "nvme_path": None, "pp_schedule": "1f1b", "microbatches": 4, "virtual_stages": 1, "pp_split_points": None,
+}  # fmt: skip
+#: The flat arguments each policy object covers.
+POLICY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "zero": ("zero_stage", "reshard_after_forward", "bucket_mb", "wrap_classes", "optimizer_partition"),
+    "offload": ("offload_optimizer", "offload_params", "nvme_path"),
+    "pipeline": ("pp_schedule", "microbatches", "virtual_stages", "pp_split_points"),
+}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    default = DEFAULTS[name]
+    if isinstance(default, tuple) or default is None and name == "pp_split_points":
+        return not value
+    return value == default
+
+
+def build_policy(given: dict[str, Any]) -> TrainingPolicy:
+    """Parse the constructor's arguments (``locals()`` of ``V17Strategy.__init__``) into a TrainingPolicy.
+
+    Raises:
+        V17ConfigError: a policy object and a flat argument it covers are both given, an unknown value, or an
+            offload tier V17Strategy does not implement yet.
+    """
+    config = given["config"]
+    for kind, names in POLICY_OPTIONS.items():
+        clash = [n for n in names if given[kind] is not None and not _is_default(n, given[n])]
+        if clash:
+            raise V17ConfigError(f"give {clash} either inside {kind}=... or as arguments, not both")
+    base = from_deepspeed_config(config) if config is not None else TrainingPolicy()
+
+    def pick(name: str, from_config: Any) -> Any:
+        return given[name] if not _is_default(name, given[name]) or config is None else from_config
+
+    zero = given["zero"] or ZeroPolicy(
+        stage=pick("zero_stage", base.zero.stage),
+        reshard_after_forward=pick("reshard_after_forward", base.zero.reshard_after_forward),
+        wrap_classes=tuple(given["wrap_classes"]) or base.zero.wrap_classes,
+        bucket_mb=pick("bucket_mb", base.zero.bucket_mb),
+        optimizer_partition=given["optimizer_partition"],
+    )
+    offload = given["offload"] or OffloadPolicy(
+        optimizer=pick("offload_optimizer", base.offload.optimizer),
+        params=pick("offload_params", base.offload.params),
+        nvme_path=given["nvme_path"] or base.offload.nvme_path,
+    )
+    split = given["pp_split_points"]
+    pipeline = given["pipeline"] or PipelinePolicy(
+        schedule=given["pp_schedule"], microbatches=given["microbatches"], virtual_stages=given["virtual_stages"],
+        split_points=tuple(split) if split else None,
+    )  # fmt: skip
+    if offload.optimizer != Tier.NONE:
+        raise V17ConfigError(
+            f"offload_optimizer={offload.optimizer.value!r} is not implemented by V17Strategy yet; "
+            "set offload_optimizer='none'"
+        )
+    if offload.params == Tier.NVME:
+        raise V17ConfigError("offload_params='nvme' is not implemented yet; use 'cpu' (stage 3) or 'none'")
+    tp_plan = given["tp_plan"]
+    return replace(
+        base,
+        zero=zero,
+        offload=offload,
+        pipeline=pipeline,
+        recompute=Recompute.parse(pick("activation_checkpointing", base.recompute)),
+        sequence_parallel=bool(given["sequence_parallel"]),
+        tp_plan=dict(tp_plan) if tp_plan else None,
+    )
