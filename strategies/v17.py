@@ -18,26 +18,23 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _set_num_threads_if_needed,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning_v17.strategies import _checkpoint, _pipeline, _precision
+from lightning_v17.strategies._collectives import WorldCollectives
 from lightning_v17.strategies._options import build_policy
 from torch import Tensor
 from torch.nn import Module
@@ -54,27 +51,21 @@ from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-class V17Strategy(ParallelStrategy):
+class V17Strategy(WorldCollectives, ParallelStrategy):
     """ZeRO-0/1/2/3 (and HSDP) x TP(+SP) x PP on a 5-axis device mesh, for any LightningModule, on CPU and GPU.
 
-    Strings are parsed once, here, into :class:`lightning_v17.config.TrainingPolicy` (``strategy.policy``). After
-    setup, ``strategy.mesh`` is the live mesh, ``strategy.zero`` the applied ZeRO stage and ``strategy.parallel``
-    what :func:`~lightning_v17.engine.parallelize.parallelize` did. Plans come, first match wins, from the options
-    here (``tp_plan``, ``pp_split_points``), the LightningModule (``configure_tensor_parallel(mesh)``, a ``tp_plan``
-    dict, ``pipeline_split_points()``, ``pipeline_loss(logits, batch)``), or the model's own (the reference Llama,
-    Hugging Face ``base_model_tp_plan`` / ``base_model_pp_plan``, litgpt ``GPT``); see README "Your own model".
+    Options become one :class:`~lightning_v17.config.TrainingPolicy` (``strategy.policy``); after setup
+    ``strategy.mesh`` is the live mesh and ``strategy.zero`` the applied ZeRO stage. Plans come from the options
+    (``tp_plan``, ``pp_split_points``), else the LightningModule's hooks, else the model's own (README "Your own
+    model").
 
     Args:
         zero_stage: 0 = DDP (all replicated), 1 = optimizer state sharded, 2 = + gradients sharded,
             3 = + parameters sharded (FSDP2 ``fully_shard``).
         tp: tensor-parallel size (innermost mesh axis).
-        pp: pipeline-parallel stages (outermost mesh axis). With pp > 1 the schedule runs forward and backward inside
-            ``training_step``: the LightningModule's ``training_step``/``validation_step``/``test_step`` are not
-            called; its ``pipeline_loss(logits, batch)`` is, when defined (else token-mean cross-entropy against
-            ``batch["labels"]``, shifted for Hugging Face causal LMs), and so are ``on_before_zero_grad`` and
-            ``on_after_backward`` (once per step), not ``on_before_backward``. Batches: dicts with ``input_ids`` and
-            ``labels`` (optional ``position_ids``, ``loss_mask``) or ``(inputs, labels)``. Automatic optimization
-            only; only zero_stage 0/1 compose with it (seed §17.5).
+        pp: pipeline-parallel stages (outermost mesh axis). The schedule then runs the model: ``training_step``/
+            ``validation_step``/``test_step`` are not called, ``pipeline_loss(logits, batch)`` is (default: token-mean
+            cross-entropy against ``labels``); see ``lightning_v17/strategies/_pipeline.py``. zero_stage 0/1 only.
         dp_replicate: replicated data-parallel groups (HSDP outer axis). With ``dp_shard`` > 1 this is HSDP.
         dp_shard: ranks over which ZeRO partitions; "auto" = world size / (pp * dp_replicate * cp * tp).
         cp: context-parallel size (reserved; must be 1).
@@ -401,32 +392,6 @@ class V17Strategy(ParallelStrategy):
         """Gradient accumulation: no communication on non-final micro-steps (DDP's ``no_sync``)."""
         with self.zero.no_sync() if self._parallel is not None else nullcontext():
             yield None
-
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # ------------------------------------------------------------------ checkpoints (sharded, DCP)
     @override
