@@ -83,6 +83,7 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
         )
     if offload.params == Tier.NVME:
         raise V17ConfigError("offload_params='nvme' is not implemented yet; use 'cpu' (stage 3) or 'none'")
+    _warn_inapplicable(given, zero)
     tp_plan = given["tp_plan"]
     return replace(
         base,
@@ -93,3 +94,20 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
         sequence_parallel=bool(given["sequence_parallel"]),
         tp_plan=dict(tp_plan) if tp_plan else None,
     )
+
+
+def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy) -> None:
+    """One warning per option that was set but cannot apply to this configuration (never silently ignored)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    notes = []
+    if zero.shards_params:
+        notes += [f"{n}={given[n]!r} applies to zero_stage 0-2 (FSDP2 reduces per unit at stage 3)"
+                  for n in ("bucket_mb", "optimizer_partition") if not _is_default(n, given[n])]  # fmt: skip
+    elif not _is_default("reshard_after_forward", given["reshard_after_forward"]):
+        notes.append("reshard_after_forward applies to zero_stage=3 only (stages 0-2 keep whole parameters)")
+    if given["pp"] == 1:
+        notes += [f"{n}={given[n]!r} applies only with pp > 1"
+                  for n in ("pp_schedule", "microbatches", "virtual_stages") if not _is_default(n, given[n])]  # fmt: skip
+    for note in notes:
+        rank_zero_warn(f"V17Strategy: {note}; it is ignored here")

@@ -1,52 +1,87 @@
 """Third-party models for the tests: tiny Hugging Face and litgpt configs with random weights (nothing downloaded), and
 LightningModules written as their users write them (no V17 code inside).
 
-``transformers`` and ``litgpt`` are test extras; a test module that needs them calls ``pytest.importorskip``.
+``transformers`` and ``litgpt`` are test extras, imported only when a model is built: the builders call
+``pytest.importorskip``, so a test that builds one is skipped without them (a test module that needs them at
+collection, or before spawning ranks, still calls ``pytest.importorskip`` itself).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 VOCAB, SEQ, ROWS = 128, 16, 64
 
-
-def hf_llama(layers: int = 4) -> torch.nn.Module:
-    """A tiny ``LlamaForCausalLM``: hidden 64, 4 heads, 2 key/value heads (GQA), intermediate 128."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg)
-
-
-def hf_qwen2(layers: int = 4) -> torch.nn.Module:
-    """A tiny ``Qwen2ForCausalLM`` (q/k/v projections with bias, unlike Llama)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, use_sliding_window=False,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    return Qwen2ForCausalLM(cfg)
+#: the tiny shape of every Hugging Face builder: hidden 64, 4 heads, 2 key/value heads (GQA), intermediate 128
+_HF_TINY: dict[str, Any] = {
+    "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "tie_word_embeddings": False, "attn_implementation": "sdpa",
+}  # fmt: skip
+#: the same shape for litgpt, built like Llama (RMSNorm, LLaMAMLP, 2 query groups, full rotary)
+_LITGPT_TINY: dict[str, Any] = {
+    "n_head": 4, "n_query_groups": 2, "n_embd": 64, "block_size": 64, "vocab_size": VOCAB, "padded_vocab_size": VOCAB,
+    "mlp_class_name": "LLaMAMLP", "intermediate_size": 128, "bias": False, "norm_class_name": "RMSNorm",
+    "parallel_residual": False, "rotary_percentage": 1.0,
+}  # fmt: skip
 
 
-def litgpt_gpt(layers: int = 4) -> torch.nn.Module:
-    """A tiny litgpt ``GPT`` shaped like Llama (RMSNorm, LLaMAMLP, GQA with 2 query groups)."""
-    from litgpt import GPT, Config
+def _seed(seed: int | None) -> None:
+    if seed is not None:
+        torch.manual_seed(seed)
 
-    cfg = Config(
-        n_layer=layers, n_head=4, n_query_groups=2, n_embd=64, block_size=64, vocab_size=VOCAB, padded_vocab_size=VOCAB,
-        mlp_class_name="LLaMAMLP", intermediate_size=128, bias=False, norm_class_name="RMSNorm",
-        parallel_residual=False, rotary_percentage=1.0,
-    )  # fmt: skip
-    return GPT(cfg)
+
+def hf_causal_lm(
+    family: str, *, layers: int = 4, seed: int | None = 0, bias_std: float | None = None, **config_overrides: Any
+) -> torch.nn.Module:
+    """A tiny Hugging Face causal LM of ``model_type`` ``family`` ("llama", "qwen2", "mistral", "phi3", "olmo2", ...):
+    the config is ``AutoConfig.for_model(family, ...)`` with hidden 64, 4 heads, 2 key/value heads, intermediate 128,
+    vocab 128, untied embeddings and sdpa, ``config_overrides`` on top; the model is the family's ``*ForCausalLM``.
+
+    Weights are drawn right after ``torch.manual_seed(seed)`` (``seed=None``: from the current RNG state). With
+    ``bias_std`` every bias is then redrawn from N(0, bias_std): HF initializes biases to zero, and after a few Adam
+    steps such a parameter is only its (lr-sized) updates, so its relative error would measure fp32 reduction order
+    rather than what a test checks.
+    """
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(family, **{**_HF_TINY, "num_hidden_layers": layers, **config_overrides})
+    _seed(seed)
+    model = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)](cfg)
+    if bias_std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, bias_std)
+    return model
+
+
+def hf_llama(layers: int = 4, *, seed: int | None = 0, **config_overrides: Any) -> torch.nn.Module:
+    """A tiny ``LlamaForCausalLM`` (``hf_causal_lm``) with 64 positions."""
+    return hf_causal_lm("llama", layers=layers, seed=seed, **{"max_position_embeddings": 64, **config_overrides})
+
+
+def hf_qwen2(layers: int = 4, *, seed: int | None = 0, **config_overrides: Any) -> torch.nn.Module:
+    """A tiny ``Qwen2ForCausalLM`` (q/k/v projections with bias, unlike Llama) with 64 positions, no sliding window."""
+    overrides = {"max_position_embeddings": 64, "use_sliding_window": False, **config_overrides}
+    return hf_causal_lm("qwen2", layers=layers, seed=seed, **overrides)
+
+
+def litgpt_gpt(
+    layers: int = 4, *, seed: int | None = 0, init_weights: bool = False, **config_overrides: Any
+) -> torch.nn.Module:
+    """A tiny litgpt ``GPT`` shaped like Llama (RMSNorm, LLaMAMLP, GQA with 2 query groups, block size 64),
+    ``config_overrides`` on top. Weights drawn after ``torch.manual_seed(seed)`` (``None``: the current RNG state);
+    ``init_weights`` then applies litgpt's own ``_init_weights`` (as its pretraining script does)."""
+    litgpt = pytest.importorskip("litgpt")
+    cfg = litgpt.Config(**{**_LITGPT_TINY, "n_layer": layers, **config_overrides})
+    _seed(seed)
+    model = litgpt.GPT(cfg)
+    if init_weights:
+        model.apply(model._init_weights)
+    return model
 
 
 BUILDERS = {"hf_llama": hf_llama, "hf_qwen2": hf_qwen2, "litgpt": litgpt_gpt}
@@ -70,8 +105,7 @@ def lightning_module(kind: str, *, lr: float = 0.5, layers: int = 4, seed: int =
     class UserModule(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(seed)
-            self.model = BUILDERS[kind](layers)
+            self.model = BUILDERS[kind](layers, seed=seed)
             for k, v in hooks.items():
                 setattr(self, k, v)
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests._dist import spawn
+from tests._models import hf_causal_lm, litgpt_gpt
 
 pytest.importorskip("transformers")
 pytest.importorskip("litgpt")
@@ -45,65 +46,9 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
 # ------------------------------------------------------------------------------------------------------- models
 
 
-def hf_llama(seed: int = 0, **kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-        **kw,
-    )
-    return LlamaForCausalLM(cfg).train()
-
-
-def hf_qwen2(seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return Qwen2ForCausalLM(cfg).train()
-
-
-def litgpt_gpt(seed: int = 0):
-    from litgpt import GPT, Config
-
-    torch.manual_seed(seed)
-    cfg = Config(
-        n_layer=4,
-        n_head=4,
-        n_query_groups=2,
-        n_embd=64,
-        block_size=64,
-        vocab_size=VOCAB,
-        padded_vocab_size=VOCAB,
-        mlp_class_name="LLaMAMLP",
-        norm_class_name="RMSNorm",
-        intermediate_size=128,
-        bias=False,
-        parallel_residual=False,
-        rotary_percentage=1.0,
-        scale_embeddings=True,
-        final_logit_softcapping=30.0,
-    )
-    model = GPT(cfg)
-    model.apply(model._init_weights)
-    return model.train()
+def litgpt_softcapped() -> torch.nn.Module:
+    """litgpt with embedding scaling and logit soft-capping on, initialized by litgpt's own ``_init_weights``."""
+    return litgpt_gpt(init_weights=True, scale_embeddings=True, final_logit_softcapping=30.0).train()
 
 
 # ------------------------------------------------------------------------------------------------------ batches
@@ -208,9 +153,9 @@ def _families_worker(rank: int, world: int) -> dict:
     pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
     out: dict = {}
     families = {
-        "hf_llama": (hf_llama(), [hf_batch(10 + s) for s in range(STEPS)], hf_loss),
-        "hf_qwen2": (hf_qwen2(), [hf_batch(20 + s) for s in range(STEPS)], hf_loss),
-        "litgpt": (litgpt_gpt(), [litgpt_batch(30 + s) for s in range(STEPS)], litgpt_loss),
+        "hf_llama": (hf_causal_lm("llama").train(), [hf_batch(10 + s) for s in range(STEPS)], hf_loss),
+        "hf_qwen2": (hf_causal_lm("qwen2").train(), [hf_batch(20 + s) for s in range(STEPS)], hf_loss),
+        "litgpt": (litgpt_softcapped(), [litgpt_batch(30 + s) for s in range(STEPS)], litgpt_loss),
     }
     for name, (base, batches, loss_of) in families.items():
         ref_losses, ref_params = reference(base, batches, loss_of)
@@ -228,7 +173,7 @@ def _hf_features_worker(rank: int, world: int) -> dict:
 
     torch.set_num_threads(1)
     pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
-    base = hf_llama()
+    base = hf_causal_lm("llama").train()
     out: dict = {}
 
     # explicit split points: stage 0 = block 0 + embedding, stage 1 = blocks 1..3 + norm + head
@@ -382,7 +327,7 @@ def _failing_stage_worker(rank: int, world: int, tmp: str) -> dict:
         err = os.open(f"{tmp}/rank0.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(err, 2)
     pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
-    model = litgpt_gpt()
+    model = litgpt_softcapped()
     policy = PipelinePolicy(schedule="1f1b", microbatches=4)
     stages, ids = split_model(model, layout=model_pipeline_layout(model), pp_rank=rank, pp=2, policy=policy)
     runtime = build_schedule(stages, stage_ids=ids, pp_mesh=pp_mesh, policy=policy, device="cpu")

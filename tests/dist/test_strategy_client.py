@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests._dist import spawn
+from tests._models import loss_recorder
 
 VOCAB, SEQ = 64, 16
 
@@ -31,23 +32,6 @@ def _token_pairs(n: int):
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
     return TensorDataset(data[:, :-1], data[:, 1:])
-
-
-class _LossRecorder:
-    """A Callback (built lazily so that this module imports without Lightning at collection time)."""
-
-    @staticmethod
-    def make():
-        import lightning as L
-
-        class LossRecorder(L.Callback):
-            def __init__(self) -> None:
-                self.losses: list[float] = []
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                self.losses.append(float(outputs["loss"]))
-
-        return LossRecorder()
 
 
 def _demo_client_module():
@@ -79,7 +63,7 @@ def _run_demo(strategy) -> tuple[list[float], int, int]:
 
     L.seed_everything(42, verbose=False)
     model = _demo_client_module()(VOCAB)
-    rec = _LossRecorder.make()
+    rec = loss_recorder()
     trainer = _quiet_trainer(strategy=strategy, max_steps=5, callbacks=[rec])
     trainer.fit(model, DataLoader(_token_pairs(40), batch_size=4))
     from torch.distributed.tensor import DTensor
@@ -122,7 +106,7 @@ def _llama_deferred(rank: int) -> dict:
             }
 
     model = Spy(model="tiny", model_overrides={"layers": 2}, warmup_steps=0)
-    rec = _LossRecorder.make()
+    rec = loss_recorder()
     trainer = _quiet_trainer(strategy=V17Strategy(zero_stage=3), max_steps=3, callbacks=[rec, InitCapture()])
     trainer.fit(model, DataLoader(Packed(), batch_size=2))
     local = sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests._dist import spawn
+from tests._models import hf_causal_lm, litgpt_gpt
 from tests.dist.test_tp import RTOL, full, make_optimizer, rel_err, rel_loss
 
 STEPS = 4
@@ -90,29 +91,8 @@ def _tp_mesh():
 
 # ---------------------------------------------------------------------------------------------------- Hugging Face
 def _hf_model(family: str):
-    import transformers
-
-    torch.manual_seed(0)
-    kw = {
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": VOCAB,
-        "attn_implementation": "sdpa",
-        "tie_word_embeddings": False,
-    }
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))  # q/k/v carry biases
-    with torch.no_grad():
-        # HF initializes biases to zero; after a few Adam steps such a parameter is only its (lr-sized) updates, so
-        # its relative error would measure fp32 reduction order rather than the sharding. Random biases, std 0.02.
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.02)
-    return model
+    # Qwen2's q/k/v carry biases: random ones (std 0.02), not HF's zeros (see hf_causal_lm); Llama has none
+    return hf_causal_lm(family, bias_std=0.02)
 
 
 def _hf_forward(model, ids):
@@ -214,29 +194,6 @@ def test_hf_qwen2_own_plan():
 
 
 # ---------------------------------------------------------------------------------------------------------- litgpt
-def _litgpt_model(**overrides):
-    import litgpt
-
-    kw = {
-        "n_layer": 2,
-        "n_head": 4,
-        "n_query_groups": 2,
-        "n_embd": 64,
-        "block_size": 32,
-        "vocab_size": VOCAB,
-        "padded_vocab_size": VOCAB,
-        "mlp_class_name": "LLaMAMLP",
-        "intermediate_size": 128,
-        "bias": False,
-        "norm_class_name": "RMSNorm",
-        "parallel_residual": False,
-        "rotary_percentage": 1.0,
-    }
-    kw.update(overrides)
-    torch.manual_seed(0)
-    return litgpt.GPT(litgpt.Config(**kw))
-
-
 def _litgpt_forward(model, ids):
     return model(ids)
 
@@ -246,9 +203,15 @@ def _litgpt_worker(rank: int, world: int) -> dict:
 
     torch.set_num_threads(1)
     tp_mesh = _tp_mesh()
-    gqa = _litgpt_model()
-    neox = _litgpt_model(  # MHA, biases, LayerNorm, GptNeoxMLP, parallel residual: pythia's shape
-        n_query_groups=4, bias=True, mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", parallel_residual=True
+    gqa = litgpt_gpt(2, block_size=32)
+    neox = litgpt_gpt(  # MHA, biases, LayerNorm, GptNeoxMLP, parallel residual: pythia's shape
+        2,
+        block_size=32,
+        n_query_groups=4,
+        bias=True,
+        mlp_class_name="GptNeoxMLP",
+        norm_class_name="LayerNorm",
+        parallel_residual=True,
     )
     out = {
         "gqa": _case(gqa, _litgpt_forward, tp_mesh, resolve_tp_plan),

@@ -19,64 +19,20 @@ from lightning_v17.config import PipelinePolicy, V17ConfigError
 from lightning_v17.engine.pipeline import PipelineLayout, PipelineLoss, split_model
 from lightning_v17.models import Llama, ModelConfig
 from lightning_v17.models.pp_layouts import model_pipeline_layout
+from tests._models import hf_causal_lm, litgpt_gpt
 
 VOCAB = 128
-#: model_type -> (config class, model class): every Hugging Face family the layouts accept, each tested below
-HF_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
-}
+#: every Hugging Face model_type the layouts accept, each tested below
+HF_FAMILIES = ("llama", "olmo2", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
 
 
 def _hf(kind: str = "llama", **kw):
-    transformers = pytest.importorskip("transformers")
-    cfg_cls, model_cls = HF_CLASSES[kind]
-    cfg_cls, model_cls = getattr(transformers, cfg_cls), getattr(transformers, model_cls)
-    args = {
-        "pad_token_id": 0,  # Phi-3's default pad id (32000) lies outside a 128-token vocabulary
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": VOCAB,
-        "tie_word_embeddings": False,
-        "attn_implementation": "sdpa",
-    }
-    args.update(kw)
-    torch.manual_seed(0)
-    return model_cls(cfg_cls(**args)).eval()
+    # pad 0: Phi-3's default pad id (32000) lies outside a 128-token vocabulary
+    return hf_causal_lm(kind, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw).eval()
 
 
 def _litgpt(**kw):
-    litgpt = pytest.importorskip("litgpt")
-    args = {
-        "n_layer": 4,
-        "n_head": 4,
-        "n_query_groups": 2,
-        "n_embd": 64,
-        "block_size": 64,
-        "vocab_size": VOCAB,
-        "padded_vocab_size": VOCAB,
-        "mlp_class_name": "LLaMAMLP",
-        "norm_class_name": "RMSNorm",
-        "intermediate_size": 128,
-        "bias": False,
-        "parallel_residual": False,
-        "rotary_percentage": 1.0,
-    }
-    args.update(kw)
-    torch.manual_seed(0)
-    model = litgpt.GPT(litgpt.Config(**args))
-    model.apply(model._init_weights)
-    return model.eval()
+    return litgpt_gpt(init_weights=True, **kw).eval()
 
 
 def _llama(**kw) -> Llama:
@@ -171,18 +127,9 @@ def test_pipeline_layout_hook_wins_and_is_checked():
 
 
 def test_unsupported_hf_family_is_refused_with_the_fix():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GemmaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        head_dim=16,
-    )
+    gemma = hf_causal_lm("gemma", layers=2, seed=None, head_dim=16, tie_word_embeddings=True)
     with pytest.raises(V17ConfigError, match=r"model_type='gemma'.*supported: .*'llama'.*pipeline_layout\(\)"):
-        model_pipeline_layout(transformers.GemmaForCausalLM(cfg))
+        model_pipeline_layout(gemma)
 
 
 # -------------------------------------------------------------------------------------------------------- splits
@@ -240,10 +187,10 @@ def test_split_points_by_fqn_or_suffix_and_bad_ones_named():
 def test_every_accepted_hf_family_is_tested():
     from lightning_v17.models.pp_layouts import HF_PIPELINE_MODEL_TYPES
 
-    assert set(HF_PIPELINE_MODEL_TYPES) == set(HF_CLASSES)
+    assert set(HF_PIPELINE_MODEL_TYPES) == set(HF_FAMILIES)
 
 
-@pytest.mark.parametrize("kind", sorted(HF_CLASSES))
+@pytest.mark.parametrize("kind", sorted(HF_FAMILIES))
 def test_hf_stages_chain_to_the_models_own_logits(kind):
     model = _hf(kind)
     ids, pos = _ids_and_packed_positions()

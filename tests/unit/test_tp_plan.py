@@ -24,6 +24,7 @@ from lightning_v17.engine.tensor_parallel import (
 )
 from lightning_v17.models import Llama, ModelConfig
 from lightning_v17.models.tp_plans import ModelTPPlan, llama_default_roles, resolve_tp_plan
+from tests._models import hf_causal_lm, litgpt_gpt
 
 ENGINE = Path(__file__).resolve().parents[2] / "lightning_v17" / "engine" / "tensor_parallel.py"
 
@@ -61,38 +62,12 @@ class _Net(nn.Module):
 
 
 def _hf_llama(**kw):
-    transformers = pytest.importorskip("transformers")
-    cfg = {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 128,
-    }
-    cfg.update(kw)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    return hf_causal_lm("llama", layers=2, **kw)
 
 
 def _litgpt(**kw):
-    litgpt = pytest.importorskip("litgpt")
-    cfg = {
-        "n_layer": 2,
-        "n_head": 4,
-        "n_query_groups": 2,
-        "n_embd": 64,
-        "block_size": 32,
-        "vocab_size": 128,
-        "padded_vocab_size": 128,
-        "mlp_class_name": "LLaMAMLP",
-        "intermediate_size": 128,
-        "bias": False,
-        "norm_class_name": "RMSNorm",
-        "parallel_residual": False,
-    }
-    cfg.update(kw)
-    return litgpt.GPT(litgpt.Config(**cfg))
+    # block size 32 and litgpt's default partial rotary (0.25); weights from whatever the RNG holds
+    return litgpt_gpt(2, seed=None, block_size=32, rotary_percentage=0.25, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------- engine side
