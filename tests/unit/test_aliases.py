@@ -1,0 +1,50 @@
+"""The registry aliases work after ``import lightning_v17`` alone, in either import order and in the CLI, while
+``import lightning_v17`` (and the planner) stays free of torch and Lightning. Fresh interpreters: the registration
+happens at import time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER = (
+    "t = L.Trainer(strategy='v17_zero3', accelerator='cpu', devices=1, logger=False); print(t.strategy.zero_stage)"
+)
+
+
+def _py(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "imports", ["import lightning_v17; import lightning as L", "import lightning as L; import lightning_v17"]
+)
+def test_alias_after_importing_the_package(imports):
+    assert _py(f"{imports}; {TRAINER}") == "3"
+
+
+def test_package_import_stays_torch_free():
+    assert (
+        _py("import sys, lightning_v17.planner; print('torch' in sys.modules or 'lightning' in sys.modules)") == "False"
+    )
+
+
+def test_cli_takes_the_alias_by_name():
+    """What `v17 fit --trainer.strategy v17_zero2` builds: the CLI's Trainer holds a V17Strategy at stage 2 (built
+    without running fit; the process imports only lightning_v17.trainer_cli, as the `v17` entry point does)."""
+    code = (
+        "from lightning_v17.trainer_cli import V17CLI; from lightning_v17.models.lightning import LlamaLM; "
+        "from lightning_v17.data.datamodule import PackedDataModule; "
+        "cli = V17CLI(LlamaLM, PackedDataModule, run=False, args=['--config', 'configs/tiny-cpu.yaml', "
+        "'--trainer.strategy', 'v17_zero2', '--trainer.logger', 'false', '--trainer.callbacks', '[]']); "
+        "s = cli.trainer.strategy; print(type(s).__name__, s.zero_stage)"
+    )
+    assert _py(code) == "V17Strategy 2"
