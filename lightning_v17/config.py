@@ -388,7 +388,10 @@ class TrainingPolicy:
         loss_scale: fp16 loss-scaling policy (None: Lightning's defaults, or bf16/fp32 with no scaler).
         gradient_clipping: max global grad norm from a DeepSpeed config (None: use the Trainer's setting).
         gradient_accumulation_steps: from a DeepSpeed config (None: use the Trainer's setting).
-        micro_batch_size: ``train_micro_batch_size_per_gpu`` from a DeepSpeed config, informational.
+        micro_batch_size: ``train_micro_batch_size_per_gpu`` from a DeepSpeed config: the strategy checks that the
+            DataLoader's per-rank batch equals it (in Lightning the DataLoader decides the batch).
+        train_batch_size: ``train_batch_size`` from a DeepSpeed config: checked against micro-batch x gradient
+            accumulation x data-parallel ranks at the first training batch.
         precision: precision from a DeepSpeed config (None: use the Trainer's ``precision=``).
     """
 
@@ -402,6 +405,7 @@ class TrainingPolicy:
     gradient_clipping: float | None = None
     gradient_accumulation_steps: int | None = None
     micro_batch_size: int | None = None
+    train_batch_size: int | None = None
     precision: Precision | None = None
 
     def __post_init__(self) -> None:
@@ -431,14 +435,21 @@ DEEPSPEED_SUPPORTED_KEYS: frozenset[str] = frozenset({
     "gradient_accumulation_steps",
     "train_micro_batch_size_per_gpu",
     "train_batch_size",
-    "activation_checkpointing.partition_activations",
 })  # fmt: skip
 
-#: DeepSpeed keys that are accepted silently because they do not change the training result here.
+#: DeepSpeed keys that are accepted silently because they only concern DeepSpeed's own logging or checks.
 _DEEPSPEED_IGNORED_KEYS: frozenset[str] = frozenset({
-    "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients", "steps_per_print",
-    "wall_clock_breakdown", "zero_allow_untested_optimizer",
+    "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
 })  # fmt: skip
+
+#: DeepSpeed keys that are read but have no effect here, with the reason; named in one warning when set.
+DEEPSPEED_NO_EFFECT_KEYS: dict[str, str] = {
+    "zero_optimization.overlap_comm": "overlap is not a switch here (FSDP2 overlaps on GPU streams; gloo is "
+    "synchronous)",
+    "zero_optimization.contiguous_gradients": "gradient buckets are contiguous by construction",
+    "activation_checkpointing.partition_activations": "DeepSpeed's partitioning of checkpointed activations across "
+    "model-parallel ranks is not implemented; recompute is V17Strategy(activation_checkpointing=...)",
+}
 
 
 def _flatten_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -460,7 +471,9 @@ def from_deepspeed_config(config: dict[str, Any] | str | Any) -> TrainingPolicy:
     ``offload``; ``bf16.enabled`` -> precision "bf16-mixed"; ``fp16.enabled`` -> "16-mixed" with
     ``fp16.{initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}`` -> :class:`LossScalePolicy`
     (init_scale = 2**initial_scale_power, growth_interval = loss_scale_window); ``gradient_clipping`` ->
-    ``gradient_clipping``; ``gradient_accumulation_steps``; ``train_micro_batch_size_per_gpu`` -> ``micro_batch_size``.
+    ``gradient_clipping``; ``gradient_accumulation_steps``; ``train_micro_batch_size_per_gpu`` -> ``micro_batch_size`` and
+    ``train_batch_size`` (both checked against the real batch by V17Strategy). Keys read without effect
+    (:data:`DEEPSPEED_NO_EFFECT_KEYS`, e.g. ``overlap_comm``) are named with the reason in one warning.
     "auto" values (Hugging Face's convention) mean "not set here". Every other key is named in ONE ``UserWarning``,
     never silently dropped.
 
@@ -482,7 +495,11 @@ def from_deepspeed_config(config: dict[str, Any] | str | Any) -> TrainingPolicy:
         raise V17ConfigError(f"config must be a DeepSpeed config dict or a path to a .json file, got {type(config)}")
 
     flat = {k: v for k, v in _flatten_keys(config).items() if v != "auto"}
-    unknown = sorted(k for k in flat if k not in DEEPSPEED_SUPPORTED_KEYS and k not in _DEEPSPEED_IGNORED_KEYS)
+    known = DEEPSPEED_SUPPORTED_KEYS | _DEEPSPEED_IGNORED_KEYS | DEEPSPEED_NO_EFFECT_KEYS.keys()
+    unknown = sorted(k for k in flat if k not in known)
+    no_effect = [f"{k} ({why})" for k, why in DEEPSPEED_NO_EFFECT_KEYS.items() if flat.get(k)]
+    if no_effect:
+        warnings.warn(f"DeepSpeed config keys without effect here: {'; '.join(no_effect)}", UserWarning, stacklevel=2)
     if unknown:
         warnings.warn(
             f"DeepSpeed config keys not supported by lightning-v17 (ignored): {', '.join(unknown)}",
@@ -530,11 +547,13 @@ def from_deepspeed_config(config: dict[str, Any] | str | Any) -> TrainingPolicy:
     micro = flat.get("train_micro_batch_size_per_gpu")
     if micro is not None:
         _check_positive_int("train_micro_batch_size_per_gpu", micro)
-    recompute = Recompute.FULL if flat.get("activation_checkpointing.partition_activations") else Recompute.NONE
+    global_batch = flat.get("train_batch_size")
+    if global_batch is not None:
+        _check_positive_int("train_batch_size", global_batch)
     return TrainingPolicy(
         zero=ZeroPolicy(**zero_kw),
         offload=offload,
-        recompute=recompute,
+        train_batch_size=global_batch,
         loss_scale=loss_scale,
         gradient_clipping=float(clip) if clip else None,
         gradient_accumulation_steps=accum,

@@ -111,3 +111,23 @@ def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy) -> None:
                   for n in ("pp_schedule", "microbatches", "virtual_stages") if not _is_default(n, given[n])]  # fmt: skip
     for note in notes:
         rank_zero_warn(f"V17Strategy: {note}; it is ignored here")
+
+
+def check_batch_keys(policy: TrainingPolicy, *, rows: int, accumulate: int, dp: int) -> None:
+    """The DeepSpeed batch keys against the first real training batch (in Lightning the DataLoader decides it).
+
+    Raises:
+        V17ConfigError: naming the key, the value Lightning actually uses, and the fix.
+    """
+    micro, total = policy.micro_batch_size, policy.train_batch_size
+    if micro is not None and micro != rows:
+        raise V17ConfigError(
+            f"config train_micro_batch_size_per_gpu={micro} but the DataLoader gives {rows} rows per rank; in "
+            "Lightning the DataLoader's batch_size decides: set it to the config's value, or drop the key"
+        )
+    if total is not None and total != rows * accumulate * dp:
+        raise V17ConfigError(
+            f"config train_batch_size={total} but this run steps on {rows} rows x accumulate_grad_batches="
+            f"{accumulate} x {dp} data-parallel ranks = {rows * accumulate * dp}; the DataLoader's batch_size and "
+            "the Trainer's accumulate_grad_batches decide: make them match, or drop the key"
+        )

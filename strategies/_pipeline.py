@@ -66,7 +66,8 @@ def _batch(args: tuple, kwargs: dict) -> Any:
     return args[0] if args else kwargs["batch"]
 
 
-def _rows(batch: Any) -> int:
+def rows(batch: Any) -> int:
+    """Rows (sequences) in a dict or ``(inputs, labels)`` batch."""
     x = batch["input_ids"] if isinstance(batch, Mapping) else batch[0]
     return int(x.shape[0])
 
@@ -98,7 +99,7 @@ def training_step(strategy: V17Strategy, args: tuple, kwargs: dict) -> Tensor:
         loss = pipeline_step(runtime, batch, grad_sync=strategy.zero, loss_scale=scale)
     call._call_callback_hooks(trainer, "on_after_backward")
     call._call_lightning_module_hook(trainer, "on_after_backward")
-    bsz = _rows(batch)
+    bsz = rows(batch)
     module.log("train_loss", loss, prog_bar=True, batch_size=bsz)
     if runtime.bubble_over_busy is not None:
         module.log("pipeline/bubble_fraction", runtime.bubble_over_busy, batch_size=bsz)
@@ -117,6 +118,6 @@ def eval_step(strategy: V17Strategy, stage: str, args: tuple, kwargs: dict) -> T
         loss = pipeline_eval(strategy.parallel.pipeline, batch)
     # Same value on every pp (and tp) rank; sync_dist averages the data-parallel replicas.
     strategy.lightning_module.log(
-        f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True, batch_size=_rows(batch)
+        f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True, batch_size=rows(batch)
     )
     return loss

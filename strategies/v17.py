@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning_v17.strategies import _checkpoint, _pipeline, _precision
 from lightning_v17.strategies._collectives import WorldCollectives
-from lightning_v17.strategies._options import build_policy
+from lightning_v17.strategies._options import build_policy, check_batch_keys
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -162,6 +162,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         self._timeout = timeout
         self._mesh: MeshRuntime | UnsetMesh = UnsetMesh()
         self._parallel: Parallelized | None = None
+        self._batch_checked = False
         self.num_nodes = 1
 
     @classmethod
@@ -349,6 +350,11 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._batch_checked:  # DeepSpeed's batch keys against the real batch, once
+            trainer = self.lightning_module.trainer
+            rows = _pipeline.rows(args[0] if args else kwargs["batch"])
+            check_batch_keys(self.policy, rows=rows, accumulate=trainer.accumulate_grad_batches, dp=self.mesh.spec.dp)
+            self._batch_checked = True
         if self._pipelined():
             return _pipeline.training_step(self, args, kwargs)
         return super().training_step(*args, **kwargs)

@@ -15,7 +15,8 @@ DS = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 8,
     "gradient_clipping": 1.0,
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "overlap_comm": True},
+    "train_batch_size": 64,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7},
     "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
              "min_loss_scale": 2},
 }  # fmt: skip
@@ -34,7 +35,31 @@ def test_maps_the_documented_keys() -> None:
     assert p.loss_scale.min_scale == 2.0
     assert p.gradient_clipping == 1.0
     assert p.gradient_accumulation_steps == 8
-    assert p.micro_batch_size == 4
+    assert p.micro_batch_size == 4 and p.train_batch_size == 64
+
+
+def test_keys_without_effect_are_named_with_the_reason_and_not_mismapped() -> None:
+    cfg = {"zero_optimization": {"stage": 1, "overlap_comm": True, "contiguous_gradients": True},
+           "activation_checkpointing": {"partition_activations": True}}  # fmt: skip
+    with pytest.warns(UserWarning) as rec:
+        p = from_deepspeed_config(cfg)
+    msgs = [str(w.message) for w in rec if "without effect here" in str(w.message)]
+    assert len(msgs) == 1
+    for key in ("overlap_comm", "contiguous_gradients", "partition_activations"):
+        assert key in msgs[0]
+    # partition_activations partitions activations across model-parallel ranks in DeepSpeed: it is not recompute
+    assert p.recompute == Recompute.NONE
+
+
+def test_batch_keys_are_checked_against_the_real_batch() -> None:
+    from lightning_v17.strategies._options import check_batch_keys
+
+    p = from_deepspeed_config({"train_micro_batch_size_per_gpu": 4, "train_batch_size": 64})
+    check_batch_keys(p, rows=4, accumulate=8, dp=2)  # 4 x 8 x 2 = 64
+    with pytest.raises(V17ConfigError, match="train_micro_batch_size_per_gpu=4 but the DataLoader gives 8 rows"):
+        check_batch_keys(p, rows=8, accumulate=4, dp=2)
+    with pytest.raises(V17ConfigError, match=r"train_batch_size=64 but .* = 32.*accumulate_grad_batches decide"):
+        check_batch_keys(p, rows=4, accumulate=4, dp=2)
 
 
 def test_bf16_and_path(tmp_path) -> None:
