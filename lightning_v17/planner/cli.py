@@ -9,6 +9,7 @@ Examples::
     v17 plan --model llama2-7b --gpus 8 --zero-stage 2 --json
     v17 plan --params 7.5e9 --dp 64 --zero-stage 3            # ZeRO Fig. 1, model state only
     v17 plan --model llama3-8b --gpus 8 --tp 2 --max-model    # deepest model of this width that fits
+    v17 plan --model tiny --gpu cpu --gpus 2 --emit-config run.yaml   # then: v17 fit --config run.yaml
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from typing import Any
 
@@ -135,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     o.add_argument("--max-model", action="store_true",
                    help="also report the largest model of this architecture that fits per rank with this layout")
+    o.add_argument("--emit-config", metavar="PATH",
+                   help="also write the plan as a Lightning CLI YAML (V17Strategy, trainer, model, data) that "
+                        "`v17 fit --config PATH` runs; a comment records this command")
     return p
 
 
@@ -204,9 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         model, cluster, train = specs_from_args(args)
         plan = make_plan(model, cluster, train)
         biggest = max_model(plan) if args.max_model else None
+        if args.emit_config is not None:
+            from lightning_v17.planner.emit import write_config
+
+            written = write_config(args.emit_config, plan, command=shlex.join(argv))
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    except (_UsageError, ValueError) as exc:
+    except (_UsageError, ValueError, OSError) as exc:
         message = " ".join(str(exc).split())
         print(f"v17 plan: error: {message}", file=sys.stderr)
         return 2
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     except BrokenPipeError:  # `v17 plan ... | head`: the reader left; not an error
         sys.stdout = None  # type: ignore[assignment]  # keep the interpreter from flushing to the closed pipe
+    if args.emit_config is not None:  # on stderr, so that --json output stays one JSON object
+        print(f"v17 plan: wrote {written}; run it with: v17 fit --config {shlex.quote(str(written))}", file=sys.stderr)
     return 0
 
 

@@ -164,7 +164,8 @@ def test_console_script_prints_the_report_and_planner_is_torch_free():
     assert result.returncode == 0, result.stderr
     for needle in ("param  (fp32)", "█", "activations", "comm", "bubble", "FLOPs", "recommendation", "ZeRO-3"):
         assert needle in result.stdout
-    code = ("import sys, lightning_v17.planner, lightning_v17.planner.cli, lightning_v17.planner.report; "
+    code = ("import sys, lightning_v17.planner, lightning_v17.planner.cli, lightning_v17.planner.report, "
+            "lightning_v17.planner.emit; "
             "sys.exit(1 if any(m == 'torch' or m.startswith('torch.') for m in sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60, check=False).returncode == 0
 
@@ -192,3 +193,26 @@ def test_human_report_shows_max_model(capsys):
     assert main(["--model", "llama3-8b", "--gpus", "8", "--max-model"]) == 0
     text = capsys.readouterr().out
     assert "max model:" in text and "layers)" in text
+
+
+def test_emit_config_keeps_json_clean_and_reports_on_stderr(capsys, tmp_path):
+    path = tmp_path / "sub" / "run.yaml"
+    assert main(["--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--json", "--emit-config", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["layout"]["zero_stage"] == 3  # stdout is still one JSON object
+    assert captured.err.count("\n") == 1 and f"wrote {path}" in captured.err
+    assert "# command: v17 plan --model tiny --gpu cpu --gpus 2 --json --emit-config" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--params", "7e9", "--gpus", "8"], "needs a model shape"),
+        (["--model", "gpt3-175b", "--gpus", "64"], "llama shapes only"),
+        (["--model", "llama3-8b", "--gpus", "8", "--cp", "2"], "context parallelism"),
+    ],
+)
+def test_emit_config_refusals_are_one_line_and_write_nothing(capsys, tmp_path, argv, needle):
+    path = tmp_path / "run.yaml"
+    assert needle in _error(capsys, *argv, "--emit-config", str(path))
+    assert not path.exists()

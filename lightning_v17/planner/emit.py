@@ -1,0 +1,223 @@
+"""``v17 plan --emit-config run.yaml``: a :class:`~lightning_v17.planner.plan.Plan` as a Lightning CLI YAML.
+
+Torch-free, like the rest of the planner. The file is what ``v17 fit --config run.yaml`` runs as is: the trainer
+(accelerator, devices, num_nodes, precision), ``lightning_v17.strategies.V17Strategy`` with the plan's layout, the
+reference model (``LlamaLM``) and ``PackedDataModule`` with the plan's sequence length and batch. A comment at the
+top records the exact ``v17 plan`` command, so a recipe in ``configs/`` can be regenerated and re-checked (the test
+in tests/unit/test_configs.py re-runs that command and compares).
+
+What the plan recommends but the run cannot express yet (an offload tier V17Strategy refuses, fp8, an optimizer
+other than LlamaLM's AdamW) is not emitted; it becomes a "NOT EMITTED" comment instead, so the file always loads.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_v17.config import OptimizerKind, Precision, Tier, V17ConfigError
+from lightning_v17.planner.plan import Plan
+from lightning_v17.planner.report import fmt_bytes, fmt_count
+
+STRATEGY_CLASS = "lightning_v17.strategies.V17Strategy"
+#: The comment line that records the producing command; :func:`recorded_command` reads it back.
+COMMAND_PREFIX = "# command: v17 plan "
+#: Offload tiers V17Strategy accepts today (strategies/_options.py ``build_policy`` refuses the others);
+#: tests/unit/test_emit_config.py checks these sets against the real strategy, so they cannot drift apart.
+IMPLEMENTED_OFFLOAD_OPTIMIZER: frozenset[Tier] = frozenset({Tier.NONE})
+IMPLEMENTED_OFFLOAD_PARAMS: frozenset[Tier] = frozenset({Tier.NONE, Tier.CPU})
+#: LlamaLM (lightning_v17/models/lightning.py) configures AdamW; other optimizers need another LightningModule.
+MODEL_OPTIMIZER = OptimizerKind.ADAMW
+#: ModelConfig field of each planner shape field (lightning_v17/models/config.py ``from_preset``).
+_SHAPE_TO_MODEL_CONFIG = {"vocab": "vocab_size", "hidden": "hidden", "layers": "layers", "heads": "heads",
+                          "kv_heads": "kv_heads", "ffn": "ffn"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EmittedConfig:
+    """The Lightning CLI config of a plan, and the comments that go with it.
+
+    Args:
+        config: the YAML document as a dict (``seed_everything``, ``trainer``, ``model``, ``data``).
+        summary: comment lines describing the plan (layout, per-rank memory against capacity).
+        not_emitted: comment lines for what the plan recommends but the run cannot express yet.
+    """
+
+    config: dict[str, Any]
+    summary: tuple[str, ...]
+    not_emitted: tuple[str, ...]
+
+    def to_yaml(self, command: str) -> str:
+        """The file's text: the command and plan comments, then the YAML document.
+
+        Args:
+            command: the producing command line without the leading ``v17 plan`` (e.g. ``shlex.join(argv)``).
+        """
+        head = [
+            "# Emitted by `v17 plan --emit-config` (lightning_v17/planner/emit.py); regenerate it with the command",
+            "# below instead of editing by hand. Run it with `v17 fit --config THIS_FILE` (add --trainer.max_steps N).",
+            f"{COMMAND_PREFIX}{command}".rstrip(),
+            *(f"# {line}" for line in self.summary),
+            *(f"# NOT EMITTED: {line}" for line in self.not_emitted),
+        ]
+        body = yaml.safe_dump(self.config, sort_keys=False, default_flow_style=False, width=120)
+        return "\n".join(head) + "\n" + body
+
+
+def recorded_command(text: str) -> list[str] | None:
+    """The ``v17 plan`` arguments recorded in an emitted file's comment (without ``v17 plan``), or None."""
+    for line in text.splitlines():
+        if line.startswith(COMMAND_PREFIX):
+            return shlex.split(line[len(COMMAND_PREFIX):])
+    return None
+
+
+def _nodes_and_devices(plan: Plan) -> tuple[int, int]:
+    """(num_nodes, devices per node) with num_nodes x devices = world size, as Lightning requires."""
+    world = plan.layout.gpus
+    per_node = plan.cluster.gpus_per_node or plan.cluster.accelerator.gpus_per_node
+    if world <= per_node:
+        return 1, world
+    if world % per_node:
+        raise V17ConfigError(
+            f"--emit-config: {world} devices are not a whole number of {per_node}-device nodes, and Lightning needs "
+            f"devices x num_nodes = world size; use --gpus a multiple of {per_node} or set --gpus-per-node"
+        )
+    return world // per_node, per_node
+
+
+def _model_section(plan: Plan) -> dict[str, Any]:
+    """``model:`` for LlamaLM: the preset, plus ``model_overrides`` for shape flags that changed it."""
+    from lightning_v17.planner.model import PRESETS
+
+    shape = plan.model.shape
+    if shape is None:
+        raise V17ConfigError("--emit-config needs a model shape (--model PRESET or the shape flags), not --params")
+    arch = str(getattr(shape.arch, "value", shape.arch))
+    if arch != "llama":
+        raise V17ConfigError(
+            f"--emit-config: the reference model implements llama shapes only, not {arch}; "
+            "use a llama preset or --arch llama"
+        )
+    name = plan.model.name if plan.model.name in PRESETS else "tiny"
+    base = PRESETS[name]
+    overrides = {_SHAPE_TO_MODEL_CONFIG[k]: getattr(shape, k) for k in _SHAPE_TO_MODEL_CONFIG
+                 if getattr(shape, k) != getattr(base, k)}  # fmt: skip
+    if name != plan.model.name:  # an explicit shape: every field that defines it, on top of the tiny preset
+        overrides.update(max_seq_len=shape.seq, rope_theta=float(shape.rope_theta),
+                         tie_embeddings=bool(shape.tie_embeddings))
+    section: dict[str, Any] = {"model": name}
+    if overrides:
+        section["model_overrides"] = overrides
+    return section
+
+
+def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
+    """V17Strategy's ``init_args`` for the plan's layout (only options the strategy accepts)."""
+    lay = plan.layout
+    if lay.cp != 1:
+        raise V17ConfigError(f"--emit-config: cp={lay.cp}, but V17Strategy does not implement context parallelism "
+                             "yet (cp must be 1); plan without --cp")
+    # The planner's ZeRO shards over the whole data-parallel degree (memory_for: shard = dp * cp), i.e. one dp_shard
+    # axis and no replicated (HSDP) axis.
+    args: dict[str, Any] = {
+        "zero_stage": lay.zero_stage, "tp": lay.tp, "pp": lay.pp, "dp_replicate": 1, "dp_shard": lay.dp,
+        "sequence_parallel": bool(lay.sp and lay.tp > 1), "activation_checkpointing": lay.recompute.value,
+    }  # fmt: skip
+    if lay.pp > 1:
+        args.update(pp_schedule=lay.schedule.value, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages)
+    if lay.offload_optimizer in IMPLEMENTED_OFFLOAD_OPTIMIZER:
+        if lay.offload_optimizer != Tier.NONE:
+            args["offload_optimizer"] = lay.offload_optimizer.value
+    else:
+        not_emitted.append(f"offload_optimizer={lay.offload_optimizer.value!r} (the plan counts the optimizer state "
+                           "off the device) is not implemented by V17Strategy yet; the run keeps it on the device")
+    if lay.offload_params != Tier.NONE:
+        if lay.zero_stage != 3:
+            not_emitted.append(f"offload_params={lay.offload_params.value!r} needs zero_stage=3 (ignored by the plan "
+                               f"at zero_stage={lay.zero_stage})")
+        elif lay.offload_params in IMPLEMENTED_OFFLOAD_PARAMS:
+            args["offload_params"] = lay.offload_params.value
+        else:
+            not_emitted.append(f"offload_params={lay.offload_params.value!r} is not implemented by V17Strategy yet; "
+                               "the run keeps the parameter shards on the device (or plan with "
+                               "--offload-params cpu)")
+    return {"class_path": STRATEGY_CLASS, "init_args": args}
+
+
+def emit_config(plan: Plan) -> EmittedConfig:
+    """The Lightning CLI config that runs ``plan`` with V17Strategy, LlamaLM and PackedDataModule.
+
+    Batch: with pp > 1 the pipeline splits each data-parallel rank's batch into ``microbatches`` chunks, so
+    ``data.batch_size`` = micro_batch * microbatches; without a pipeline the m micro-batches are gradient
+    accumulation (``trainer.accumulate_grad_batches``) of ``batch_size`` = micro_batch each. Either way
+    G = dp * b * m (Narayanan 2021 §2), the plan's global batch.
+
+    Raises:
+        V17ConfigError: the plan cannot be run by these classes (no shape, a gpt shape, cp > 1, a world size that
+            is not whole nodes), with the fix in the message.
+    """
+    lay = plan.layout
+    not_emitted: list[str] = []
+    model = _model_section(plan)
+    strategy = _strategy(plan, not_emitted)
+    nodes, devices = _nodes_and_devices(plan)
+    precision = lay.precision
+    if precision == Precision.FP8:
+        not_emitted.append("precision fp8 (Trainer precision has no fp8 mode wired to V17Strategy yet); emitted "
+                           "bf16-mixed, which the fp8 plan also uses outside the matmuls")
+        precision = Precision.BF16_MIXED
+    if lay.optimizer != MODEL_OPTIMIZER:
+        not_emitted.append(f"optimizer={lay.optimizer.value} (LlamaLM trains with {MODEL_OPTIMIZER.value}; the "
+                           f"plan's optimizer-state bytes assume {lay.optimizer.value})")
+    trainer: dict[str, Any] = {
+        "accelerator": "cpu" if plan.cluster.gpu == "cpu" else "gpu",
+        "devices": devices,
+        "num_nodes": nodes,
+        "strategy": strategy,
+        "precision": precision.value,
+    }
+    batch_size = lay.micro_batch * (lay.microbatches if lay.pp > 1 else 1)
+    if lay.pp == 1 and lay.microbatches > 1:
+        trainer["accumulate_grad_batches"] = lay.microbatches
+    data = {"seq_len": lay.seq, "batch_size": batch_size}
+    config = {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
+
+    acc = plan.cluster.accelerator
+    gpu_bytes = plan.memory.tiers.gpu
+    summary = [
+        (f"plan: {plan.model.name} ({fmt_count(plan.model.num_params)} params) on {lay.gpus} x {acc.name} "
+         f"({nodes} node{'s' if nodes > 1 else ''} x {devices})"),
+        (f"  layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero_stage} sp={'on' if lay.sp else 'off'} "
+         f"recompute={lay.recompute.value} schedule={lay.schedule.value if lay.pp > 1 else '-'} | "
+         f"{lay.optimizer.value} {lay.precision.value}"),
+        (f"  per-rank device memory: {fmt_bytes(gpu_bytes)} of {fmt_bytes(acc.memory_bytes)} "
+         f"({'fits' if plan.fits else 'DOES NOT FIT'}); cpu {fmt_bytes(plan.memory.tiers.cpu)}, "
+         f"nvme {fmt_bytes(plan.memory.tiers.nvme)}"),
+        (f"  batch: global {lay.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch} x m "
+         f"{lay.microbatches}, seq {lay.seq} ({fmt_count(lay.global_batch * lay.seq)} tokens/step)"),
+        *(f"  planner warning: {w}" for w in plan.warnings),
+    ]  # fmt: skip
+    return EmittedConfig(config=config, summary=tuple(summary), not_emitted=tuple(not_emitted))
+
+
+def write_config(path: str | Path, plan: Plan, *, command: str) -> Path:
+    """Write ``emit_config(plan)`` to ``path`` (parent folders created) and return the path.
+
+    Args:
+        path: the YAML file to write.
+        plan: the plan to emit.
+        command: the producing ``v17 plan`` arguments as one shell-quoted string (recorded in a comment).
+    """
+    text = emit_config(plan).to_yaml(command)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
+
+
+__all__ = ["COMMAND_PREFIX", "STRATEGY_CLASS", "EmittedConfig", "emit_config", "recorded_command", "write_config"]
