@@ -67,7 +67,7 @@ class _ShardedAwareCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None):
         if is_sharded_checkpoint(path):
-            return load_lightning_checkpoint(path)
+            return load_lightning_checkpoint(path, weights_only=weights_only)
         return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:

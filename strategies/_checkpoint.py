@@ -43,9 +43,15 @@ def save(strategy: V17Strategy, checkpoint: dict[str, Any], filepath: Any) -> No
     save_sharded(path, app_state=app_state, trainer_state=checkpoint, meta=meta(strategy, checkpoint))
 
 
-def load(strategy: V17Strategy, checkpoint_path: Any) -> dict[str, Any]:
-    """Load a sharded checkpoint into the sharded model and optimizers in place; returns the trainer state."""
-    from lightning_v17.engine.checkpoint import is_sharded_checkpoint, load_sharded
+def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | None = None) -> dict[str, Any]:
+    """Load a sharded checkpoint into the sharded model and optimizers in place; returns the trainer state.
+
+    ``weights_only`` is what Lightning passes to ``Strategy.load_checkpoint``: ``None`` or ``True`` unpickle the
+    trainer state and DCP's pickles safely (torch's default since 2.6; a checkpoint holding other objects is refused
+    with ``UnsafeCheckpointError`` before anything is loaded), ``False`` trusts the checkpoint fully. Lightning 2.6.6
+    passes ``None`` here whatever ``trainer.fit(weights_only=...)`` said (see the note below).
+    """
+    from lightning_v17.engine.checkpoint import UnsafeCheckpointError, is_sharded_checkpoint, load_sharded
 
     path = Path(strategy.broadcast(checkpoint_path))
     if not is_sharded_checkpoint(path):
@@ -56,11 +62,29 @@ def load(strategy: V17Strategy, checkpoint_path: Any) -> dict[str, Any]:
     assert strategy.model is not None
     app_state = state_engine.get_state_dicts(strategy.model, strategy.optimizers, backend=strategy.zero)
     own_groups = state_engine.param_group_lists(app_state)
-    trainer_state, _meta = load_sharded(path, app_state=app_state)
+    try:
+        trainer_state, _meta = load_sharded(path, app_state=app_state, weights_only=weights_only)
+    except UnsafeCheckpointError as err:
+        if weights_only is not None:
+            raise
+        # Lightning 2.6 forwards trainer.fit(weights_only=...) only to strategies that restore BEFORE setup
+        # (Trainer._run calls _restore_modules_and_callbacks(ckpt_path) without it after setup), and V17Strategy
+        # restores after setup: a None here may be the user's False, dropped. Name the fix that reaches us.
+        raise UnsafeCheckpointError(
+            f"{err}. Note for V17Strategy: Lightning {_lightning_version()} does not pass trainer.fit's weights_only "
+            "on to strategies that restore the checkpoint after setup, as V17Strategy does, so allow-list the types "
+            "with torch.serialization.add_safe_globals([...]) before trainer.fit"
+        ) from err.__cause__
     # A checkpoint from another pipeline split lists other stages' FQNs in its param groups: keep our own.
     state_engine.restore_param_group_lists(app_state, own_groups)
     state_engine.set_state_dicts(strategy.model, strategy.optimizers, app_state, backend=strategy.zero)
     return trainer_state
+
+
+def _lightning_version() -> str:
+    import lightning
+
+    return lightning.__version__
 
 
 def remove(filepath: Any) -> None:

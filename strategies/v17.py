@@ -430,7 +430,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint into the sharded model/optimizers in place (any saved stage or world size)."""
-        return _checkpoint.load(self, checkpoint_path)
+        return _checkpoint.load(self, checkpoint_path, weights_only=weights_only)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -20,6 +20,11 @@ Why this shape:
 - *Verification before loading.* :func:`load_sharded` checks ``meta.json`` and every file's size and sha256
   (split across ranks) before DCP reads a byte into the live state, so a truncated/corrupt shard raises
   :class:`CheckpointCorruptError` naming the file and nothing is half-loaded.
+- *Safe unpickling.* ``trainer_state`` is read with ``torch.load(weights_only=True)`` by default (torch >= 2.6's
+  default), with only the extra types our own trainer states hold allow-listed (:data:`TRAINER_STATE_SAFE_GLOBALS`).
+  A checkpoint carrying anything else is refused with :class:`UnsafeCheckpointError` before any state is touched;
+  ``weights_only=False`` loads a trusted one. DCP's own pickles (the ``.metadata`` index, non-tensor entries) are
+  checked with restricted unpicklers first (:func:`check_dcp_pickles`); DCP then reads them unrestricted (README).
 - *Reshard on load.* DCP loads by global tensor coordinates, so a checkpoint written at one world size / ZeRO stage
   (DTensor ``Shard(0)``) loads into another layout (plain replicated tensors, another mesh, or one process with no
   process group).
@@ -36,6 +41,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -57,12 +63,16 @@ _HASH_CHUNK_BYTES = 8 << 20
 
 __all__ = [
     "FORMAT",
+    "TRAINER_STATE_SAFE_GLOBALS",
     "CheckpointCorruptError",
+    "UnsafeCheckpointError",
+    "check_dcp_pickles",
     "consolidate",
     "consolidate_main",
     "is_sharded_checkpoint",
     "load_full_state_dict",
     "load_sharded",
+    "load_trainer_state",
     "partial_path",
     "save_sharded",
     "verify_checkpoint",
@@ -71,6 +81,152 @@ __all__ = [
 
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint file is missing, truncated or does not match the checksum recorded in ``meta.json``."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's pickles (``trainer_state``, DCP's ``.metadata`` index or a non-tensor DCP entry) name objects
+    that are not allow-listed for ``weights_only=True`` loading; nothing was executed or loaded.
+
+    Subclasses :class:`pickle.UnpicklingError`, which is what ``torch.load(weights_only=True)`` itself raises.
+    """
+
+
+def _numpy_rng_globals() -> list[Any]:
+    """What ``numpy.random.get_state()`` pickles as: ``('MT19937', uint32[624] ndarray, int, int, float)``.
+
+    ``AsyncCheckpoint`` stores every rank's numpy RNG state (``v17_rng_states``). Only the uint32 dtype is allowed,
+    so an object-dtype array (which would unpickle arbitrary items) is still refused. numpy 2 renamed
+    ``numpy.core`` to ``numpy._core``; the old name is accepted too, for checkpoints written under numpy 1.x.
+    """
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return []
+    core = getattr(np, "_core", None) or np.core
+    reconstruct = core.multiarray._reconstruct
+    return [
+        reconstruct,
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),  # numpy.dtypes.UInt32DType (numpy >= 1.25), the dtype instance being built
+    ]
+
+
+TRAINER_STATE_SAFE_GLOBALS: list[Any] = _numpy_rng_globals()
+"""Types allow-listed (scoped, with ``torch.serialization.safe_globals``) when ``trainer_state`` is loaded with
+``weights_only=True``, beyond torch's defaults (tensors, dicts, lists, tuples, ``OrderedDict``, primitives). Measured
+from the checkpoints ``V17Strategy``, ``ModelCheckpoint`` and ``AsyncCheckpoint`` write: Lightning's loops, callback
+and lr scheduler states and our trackers' states are all primitives and tensors; only the numpy RNG state is not."""
+
+
+def _weights_only_detail(err: BaseException) -> str:
+    """The one line of torch's weights-only refusal that names the offending global."""
+    text = str(err)
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            detail = line.split("WeightsUnpickler error:", 1)[1].split(" Please use", 1)[0].strip().rstrip(".")
+            if detail:
+                return detail
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _refusal(name: Any, detail: str) -> str:
+    return (
+        f"refused to load {name}: the checkpoint contains objects that are not allow-listed for safe loading "
+        f"(weights_only=True): {detail}. Nothing from it was executed or loaded. If you trust this checkpoint, "
+        "allow-list exactly the named types with torch.serialization.add_safe_globals([...]) before loading, or load "
+        "it with weights_only=False: trainer.fit(model, ckpt_path=..., weights_only=False) (also validate/test/"
+        "predict), load_sharded(..., weights_only=False) or `v17 consolidate --no-weights-only`"
+    )
+
+
+def _safe_torch_load(src: str | os.PathLike | io.BytesIO, name: Any) -> Any:
+    try:
+        # Scoped (not add_safe_globals): the allow-list must not leak into the user's own torch.load calls.
+        with torch.serialization.safe_globals(TRAINER_STATE_SAFE_GLOBALS):
+            return torch.load(src, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(_refusal(name, _weights_only_detail(err))) from err
+
+
+def load_trainer_state(path: str | os.PathLike | io.BytesIO, *, weights_only: bool | None = None) -> Any:
+    """``torch.load`` of a checkpoint's ``trainer_state`` on CPU, safely unless told otherwise.
+
+    Args:
+        path: the ``trainer_state`` file (or an in-memory buffer).
+        weights_only: ``None`` or ``True``: restricted unpickling (torch's default since 2.6) with
+            :data:`TRAINER_STATE_SAFE_GLOBALS` allow-listed for this call only; ``False``: full pickle, which runs
+            whatever code the file names, so only for a checkpoint from a trusted source.
+
+    Raises:
+        UnsafeCheckpointError: the file holds an object that is not allow-listed; it names the file, the object and
+            the fix. Nothing in the file was executed.
+    """
+    if weights_only is not None and not weights_only:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    name = path if isinstance(path, (str, os.PathLike)) else "<trainer_state buffer>"
+    return _safe_torch_load(path, name)
+
+
+# DCP reads a directory's ``.metadata`` index with a plain ``pickle.load`` (FileSystemReader.read_metadata) and its
+# non-tensor entries with ``torch.load(weights_only=False)`` (DefaultLoadPlanner.load_bytes); tensors themselves are
+# read with weights_only=True. These are the globals a DCP index of torch 2.13 names (measured on our checkpoints).
+_DCP_METADATA_GLOBALS = frozenset(
+    [("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+    )]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+       ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")]
+)  # fmt: skip
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Python's "restricting globals" recipe (docs.python.org/3/library/pickle.html#restricting-globals): every
+    class or callable a pickle names goes through ``find_class``, so refusing there refuses any code to run.
+    (torch's weights-only unpickler cannot read DCP's index: it is pickle protocol 4, whose FRAME opcode it lacks.)"""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Unsupported global: {module}.{name}")
+
+
+def check_dcp_pickles(path: str | os.PathLike, components: list[str]) -> None:
+    """Refuse a checkpoint whose DCP pickles name anything but DCP's own metadata types, before DCP reads them.
+
+    Checks each component's ``.metadata`` with a restricted unpickler and every non-tensor entry it indexes (in the
+    ``.distcp`` files) with ``torch.load(weights_only=True)``. DCP then reads the same checksummed bytes with its own
+    unrestricted loaders, which can only rebuild what passed here.
+
+    Raises:
+        UnsafeCheckpointError: naming the file (and entry) that holds a global outside the allow-lists.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    target = Path(path).absolute()
+    for comp in components:
+        md_path = target / comp / ".metadata"
+        try:
+            with open(md_path, "rb") as f:
+                md = _DcpMetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointError(_refusal(md_path, str(err))) from err
+        byte_fqns = {fqn for fqn, item in md.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
+        for index, info in (md.storage_data or {}).items():
+            if index.fqn not in byte_fqns:
+                continue
+            where = f"{target / comp / info.relative_path} (entry {index.fqn!r})"
+            if getattr(info, "transform_descriptors", None):
+                raise UnsafeCheckpointError(_refusal(where, "DCP storage transforms, which safe loading cannot read"))
+            with open(target / comp / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                payload = io.BytesIO(f.read(info.length))
+            _safe_torch_load(payload, where)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -402,7 +558,11 @@ def verify_checkpoint(path: str | os.PathLike, *, process_group: Any = None, no_
 
 
 def load_sharded(
-    path: str | os.PathLike, *, app_state: dict[str, Any], process_group: Any = None
+    path: str | os.PathLike,
+    *,
+    app_state: dict[str, Any],
+    process_group: Any = None,
+    weights_only: bool | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Verify, then load a sharded checkpoint into ``app_state`` in place, resharding to its current layout.
 
@@ -411,12 +571,15 @@ def load_sharded(
         app_state: ``{"model": state_dict, "optim": state_dict}`` templates (either may be absent) whose tensors /
             DTensors are overwritten in place; their layout may differ from the one saved (world size, ZeRO stage).
         process_group: group to load over; ``None`` = default group, or a single process without torch.distributed.
+        weights_only: how ``trainer_state`` is unpickled (:func:`load_trainer_state`); ``None`` means ``True``, as
+            in ``torch.load``. ``False`` only for a trusted checkpoint.
 
     Returns:
         ``(trainer_state, meta)``.
 
     Raises:
         CheckpointCorruptError: ``meta.json`` or any data file is missing, truncated or corrupt (nothing loaded).
+        UnsafeCheckpointError: ``trainer_state`` holds objects that are not allow-listed (nothing loaded).
     """
     target = Path(path).absolute()
     use_dist = _dist_on()
@@ -431,6 +594,11 @@ def load_sharded(
                 f"checkpoint {target} has no {comp!r} state (it holds {meta.get('components')}); "
                 f"load it without app_state[{comp!r}]"
             )
+    # Before DCP writes a byte into the live state: a refused checkpoint must leave nothing half-loaded. Every rank
+    # reads the same verified files, so every rank raises the same error (no rank waits in a collective).
+    if weights_only is None or weights_only:
+        check_dcp_pickles(target, [c for c in COMPONENTS if c in app_state])
+    trainer_state = load_trainer_state(target / TRAINER_STATE_FILE, weights_only=weights_only)
     for comp in COMPONENTS:
         if comp in app_state:
             with _quiet_single_process(not use_dist):
@@ -440,13 +608,17 @@ def load_sharded(
                     process_group=process_group,
                     no_dist=not use_dist,
                 )
-    trainer_state = torch.load(target / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
     return trainer_state, meta
 
 
-def load_full_state_dict(path: str | os.PathLike, component: str = "model", *, verify: bool = True) -> dict:
+def load_full_state_dict(
+    path: str | os.PathLike, component: str = "model", *, verify: bool = True, weights_only: bool | None = None
+) -> dict:
     """Read one component of a checkpoint as a full (unsharded) state dict in this process, without a template
-    and without a process group (DCP ``_EmptyStateDictLoadPlanner``, as ``dcp_to_torch_save`` does)."""
+    and without a process group (DCP ``_EmptyStateDictLoadPlanner``, as ``dcp_to_torch_save`` does).
+
+    ``weights_only`` (``None`` means ``True``): first refuse DCP pickles that name anything but DCP's own types
+    (:func:`check_dcp_pickles`); ``False`` only for a trusted checkpoint."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -456,6 +628,8 @@ def load_full_state_dict(path: str | os.PathLike, component: str = "model", *, v
         meta = verify_checkpoint(target, no_dist=True)
         if component not in meta.get("components", []):
             raise KeyError(f"checkpoint {target} has no {component!r} state (it holds {meta.get('components')})")
+    if weights_only is None or weights_only:
+        check_dcp_pickles(target, [component])
     out: dict[str, Any] = {}
     with _quiet_single_process(True):
         _load_state_dict(
@@ -470,7 +644,13 @@ def load_full_state_dict(path: str | os.PathLike, component: str = "model", *, v
 # ----------------------------------------------------------------------------------------------------------------
 # consolidate
 # ----------------------------------------------------------------------------------------------------------------
-def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, prefix_to_strip: str | None = None) -> Path:
+def consolidate(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    prefix_to_strip: str | None = None,
+    weights_only: bool | None = None,
+) -> Path:
     """Write the model of a sharded checkpoint as one full state dict, offline (no process group).
 
     Args:
@@ -479,12 +659,14 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, prefix_to_st
             ``torch.save``.
         prefix_to_strip: remove this prefix from keys that have it, e.g. ``"model."`` for a LightningModule
             holding ``self.model``, so the file loads into the bare ``nn.Module``.
+        weights_only: ``None``/``True``: refuse a checkpoint whose pickles name anything outside the allow-lists
+            (:class:`UnsafeCheckpointError`); ``False``: trust it (full pickle).
 
     Returns:
         The output path.
     """
     out = Path(out).absolute()
-    sd = load_full_state_dict(path, "model")
+    sd = load_full_state_dict(path, "model", weights_only=weights_only)
     if prefix_to_strip:
         if not any(k.startswith(prefix_to_strip) for k in sd):
             raise ValueError(
@@ -520,6 +702,12 @@ def consolidate_main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--strip-prefix", default=None, help='remove this key prefix, e.g. "model." for a LightningModule.model'
     )
+    parser.add_argument(
+        "--weights-only",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refuse pickled objects outside the allow-lists (default); --no-weights-only only for a trusted checkpoint",
+    )
     args = parser.parse_args(argv)
     ckpt = Path(args.ckpt)
     try:
@@ -527,8 +715,8 @@ def consolidate_main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{ckpt} does not exist")
         if not is_sharded_checkpoint(ckpt):
             raise ValueError(f"{ckpt} is not a v17 sharded checkpoint (no {META_FILE} with format {FORMAT})")
-        out = consolidate(ckpt, args.out, prefix_to_strip=args.strip_prefix)
-    except (ValueError, KeyError, FileNotFoundError, CheckpointCorruptError, ImportError) as err:
+        out = consolidate(ckpt, args.out, prefix_to_strip=args.strip_prefix, weights_only=args.weights_only)
+    except (ValueError, KeyError, FileNotFoundError, CheckpointCorruptError, ImportError, UnsafeCheckpointError) as err:
         print(f"v17 consolidate: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

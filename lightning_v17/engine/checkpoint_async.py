@@ -267,6 +267,9 @@ class AsyncShardedSaver:
         if rank == 0:
             state_bytes = rec.trainer_state
             if rec.amendments:
+                # Our own bytes, pickled by torch.save in start() in this process a moment ago (never a file): there
+                # is no trust boundary to cross, and the user's trainer state may legitimately hold types that are
+                # not allow-listed for loading. Loading a checkpoint from disk goes through load_trainer_state.
                 state = torch.load(io.BytesIO(state_bytes), map_location="cpu", weights_only=False)
                 state.update(rec.amendments)
                 buf = io.BytesIO()
@@ -378,11 +381,16 @@ def fqn_optim_to_torch(osd: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"state": state, "param_groups": groups}]
 
 
-def load_lightning_checkpoint(path: str | os.PathLike, *, process_group: Any = None) -> dict[str, Any]:
+def load_lightning_checkpoint(
+    path: str | os.PathLike, *, process_group: Any = None, weights_only: bool | None = None
+) -> dict[str, Any]:
     """A sharded checkpoint as a Lightning checkpoint dict with FULL tensors (``state_dict``, ``optimizer_states``
     in torch id layout, plus the saved trainer state), for strategies that hold whole tensors (``"ddp"``).
-    Verified first (collective over ``process_group`` when torch.distributed is initialized)."""
-    from lightning_v17.engine.checkpoint import _recover, load_full_state_dict, verify_checkpoint
+    Verified first (collective over ``process_group`` when torch.distributed is initialized).
+
+    ``weights_only``: ``None``/``True`` unpickle the trainer state safely (``UnsafeCheckpointError`` otherwise, see
+    :func:`~lightning_v17.engine.checkpoint.load_trainer_state`); ``False`` only for a trusted checkpoint."""
+    from lightning_v17.engine.checkpoint import _recover, load_full_state_dict, load_trainer_state, verify_checkpoint
 
     target = Path(path).absolute()
     rank, _ = _rank_world(process_group)
@@ -390,8 +398,9 @@ def load_lightning_checkpoint(path: str | os.PathLike, *, process_group: Any = N
         _recover(target)
     _barrier(process_group)
     meta = verify_checkpoint(target, process_group=process_group)
-    ckpt = torch.load(target / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
-    ckpt["state_dict"] = load_full_state_dict(target, "model", verify=False)
+    ckpt = load_trainer_state(target / TRAINER_STATE_FILE, weights_only=weights_only)
+    ckpt["state_dict"] = load_full_state_dict(target, "model", verify=False, weights_only=weights_only)
     if "optim" in meta.get("components", []):
-        ckpt["optimizer_states"] = fqn_optim_to_torch(load_full_state_dict(target, "optim", verify=False))
+        optim = load_full_state_dict(target, "optim", verify=False, weights_only=weights_only)
+        ckpt["optimizer_states"] = fqn_optim_to_torch(optim)
     return ckpt
