@@ -1,10 +1,14 @@
 """V17Strategy with two parallel axes at once, inside a Lightning Trainer on 4 gloo ranks: tp=2 x dp=2 (ZeRO-3,
-FSDP2 over dp plus TP), pp=2 x dp=2 (ZeRO-1) and pp=2 x tp=2, with global-norm clipping active, against the same
-1-process run as ``test_strategy_tp_pp.py`` (the engine-level 4-rank cases are in ``test_pp_3d.py``).
+FSDP2 over dp plus TP), pp=2 x dp=2 (ZeRO-1) and pp=2 x tp=2, with global-norm clipping, against a 1-process
+Lightning run of the same LlamaLM, data order and seed (``test_strategy_tp_pp._fit``; the engine-level 4-rank cases
+are in ``test_pp_3d.py``).
 
 Every rank reads the same 4-row batches (no distributed sampler), so the mean gradient over the 2 dp ranks equals
-the 1-process gradient: a reduction that sums instead of averaging, a shard stepped twice or a norm taken over one
-axis only changes the trajectory. SGD with clipping at every step, as there. Tolerance: 1e-5 relative (fp32).
+the 1-process gradient. SGD, and a clipping threshold ``CLIP`` between the steps' gradient norms: step 0 clips
+(norm ~1.25 x CLIP), so a norm taken over one axis or shard only changes its clipping factor; step 1 does not clip
+(norm ~0.74 x CLIP), so a gradient off by a uniform factor (a dp reduction that sums instead of averaging, a shard
+stepped twice) changes its update. (Clipping at every step would hide a uniform factor: clipping to a norm is
+invariant to the gradient's scale.) The 1-process reference asserts both conditions. Tolerance: 1e-5 relative (fp32).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import pytest
 import torch
 
 from tests._dist import spawn
-from tests.dist.test_strategy_tp_pp import _fit, reference  # noqa: F401 - reference: the shared 1-process fixture
+from tests.dist.test_strategy_tp_pp import STEPS, _fit
+
+CLIP = 11.0  # 1-process pre-clip norms at this threshold: 13.7 (clips), 8.1 (does not), 5.7 (its update is unseen)
 
 CASES4 = {
     "tp2_dp2_zero3": {"tp": 2, "dp_shard": 2, "zero_stage": 3},
@@ -29,7 +35,7 @@ def _worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     from lightning_v17.strategies import V17Strategy
 
-    return {name: _fit(V17Strategy(**kw), 4) for name, kw in CASES4.items()}
+    return {name: _fit(V17Strategy(**kw), 4, clip=CLIP) for name, kw in CASES4.items()}
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +43,21 @@ def results() -> list[dict]:
     return spawn(_worker, world_size=4, timeout=400, init_process_group=False)
 
 
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    norms: list[float] = []
+    losses = _fit("auto", 1, norms, clip=CLIP)
+    # the losses see the updates of steps 0 and 1: step 0 must clip and step 1 must not, each with a margin
+    assert len(norms) == STEPS and norms[0] > 1.2 * CLIP and norms[1] < CLIP / 1.2, norms
+    return losses
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("name", list(CASES4))
-def test_two_axes_in_a_trainer_match_single_process(
-    results: list[dict],
-    reference: list[float],  # noqa: F811 - the fixture imported above
-    name: str,
-) -> None:
+def test_two_axes_in_a_trainer_match_single_process(results: list[dict], reference: list[float], name: str) -> None:
+    assert len(reference) == STEPS
     for res in results:
         assert res[name] == pytest.approx(reference, rel=1e-5), (name, res[name], reference)
