@@ -68,7 +68,10 @@ def _batch(args: tuple, kwargs: dict) -> Any:
 
 def rows(batch: Any) -> int:
     """Rows (sequences) in a dict or ``(inputs, labels)`` batch."""
-    x = batch["input_ids"] if isinstance(batch, Mapping) else batch[0]
+    if isinstance(batch, Mapping):
+        x = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
+    else:
+        x = batch[0]
     return int(x.shape[0])
 
 

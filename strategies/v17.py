@@ -350,8 +350,8 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._batch_checked:  # DeepSpeed's batch keys against the real batch, once
-            trainer = self.lightning_module.trainer
+        if not self._batch_checked and (self.policy.micro_batch_size or self.policy.train_batch_size):
+            trainer = self.lightning_module.trainer  # DeepSpeed's batch keys against the real batch, once
             rows = _pipeline.rows(args[0] if args else kwargs["batch"])
             check_batch_keys(self.policy, rows=rows, accumulate=trainer.accumulate_grad_batches, dp=self.mesh.spec.dp)
             self._batch_checked = True

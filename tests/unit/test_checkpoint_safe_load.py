@@ -135,9 +135,11 @@ def test_our_trainer_state_types_load_by_default_and_the_allow_list_stays_scoped
         ],
     }
     save_sharded(tmp_path / "ck", app_state=_app(m, opt), trainer_state=state, meta={})
-    before = torch.serialization.get_safe_globals()
+    before = set(map(id, torch.serialization.get_safe_globals()))
     ts, _ = load_sharded(tmp_path / "ck", app_state=_app(*_net(1)))
-    assert torch.serialization.get_safe_globals() == before, "the allow-list leaked into the global one"
+    # Other libraries may register their own safe globals meanwhile (torchao does on import); ours must not stay.
+    leaked = [g for g in torch.serialization.get_safe_globals() if id(g) not in before and "numpy" in repr(g)]
+    assert not leaked, f"the allow-list leaked into the global one: {leaked}"
     got, want = ts["v17_rng_states"][0]["numpy"], np.random.get_state()
     assert got[0] == want[0] and np.array_equal(got[1], want[1]) and got[1].dtype == np.uint32
     assert ts["loops"] == state["loops"] and ts["hyper_parameters"] == state["hyper_parameters"]
