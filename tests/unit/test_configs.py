@@ -36,18 +36,23 @@ def test_there_are_configs():
         assert _recorded(next(p for p in CONFIGS if p.name == name)), f"{name} records no `v17 plan` command"
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_config_parses(path):
-    from lightning_v17.strategies import V17Strategy
-
+def print_config(path) -> tuple[dict, dict]:
+    """(the config as the Lightning CLI resolves it with ``fit --print_config``, the file as written)."""
     from lightning_v17.trainer_cli import run_lightning_cli
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
         run_lightning_cli(["fit", "--config", str(path), "--print_config"])
     assert exit_info.value.code == 0
-    resolved = yaml.safe_load(out.getvalue())
-    raw = yaml.safe_load(path.read_text())
+    return yaml.safe_load(out.getvalue()), yaml.safe_load(Path(path).read_text())
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_parses(path):
+    from lightning_v17.strategies import V17Strategy
+
+
+    resolved, raw = print_config(path)
     # what the file says survives resolution (nothing silently dropped or renamed)
     assert resolved["trainer"]["strategy"]["class_path"] == raw["trainer"]["strategy"]["class_path"]
     got = [c["class_path"] for c in resolved["trainer"].get("callbacks") or []]
