@@ -54,6 +54,11 @@ def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | No
     from lightning_v17.engine.checkpoint import UnsafeCheckpointError, is_sharded_checkpoint, load_sharded
 
     path = Path(strategy.broadcast(checkpoint_path))
+    if not path.exists():
+        raise V17ConfigError(
+            f"ckpt_path={str(path)!r} does not exist; give the checkpoint directory (AsyncCheckpoint writes "
+            "<dirpath>/step-NNNNNNNN and a 'latest' pointer; ckpt_path='last' resumes from the newest)"
+        )
     if not is_sharded_checkpoint(path):
         raise V17ConfigError(
             f"ckpt_path={str(path)!r} is not a V17 sharded checkpoint directory; V17Strategy resumes from the "

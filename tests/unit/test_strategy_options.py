@@ -89,3 +89,12 @@ def test_options_set_but_inapplicable_warn_once_each():
     assert any("optimizer_partition='params'" in m for m in msgs)
     assert any("microbatches=8 applies only with pp > 1" in m for m in msgs)
     assert any("reshard_after_forward applies to zero_stage=3 only" in m for m in msgs)
+
+
+def test_missing_ckpt_path_says_it_does_not_exist(tmp_path):
+    s = _strategy()
+    with pytest.raises(V17ConfigError, match=r"ckpt_path='.*nope' does not exist"):
+        s.load_checkpoint(tmp_path / "nope")
+    (tmp_path / "file.ckpt").write_text("x")
+    with pytest.raises(V17ConfigError, match="is not a V17 sharded checkpoint directory"):
+        s.load_checkpoint(tmp_path / "file.ckpt")
