@@ -73,8 +73,12 @@ def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
     stage = policy.zero.stage
     if pp > 1:
         from lightning_v17.engine.pipeline import check_pipeline_composition
+        from lightning_v17.planner.schedules import schedule_info
 
         check_pipeline_composition(pp=pp, zero_stage=stage)
+        info = schedule_info(policy.pipeline.schedule)
+        info.check_runnable()
+        info.check_microbatches(pp=pp, microbatches=policy.pipeline.microbatches)
     if policy.offload.params == Tier.CPU and stage != 3:
         raise V17ConfigError("offload_params='cpu' shards parameters to CPU and needs zero_stage=3")
 

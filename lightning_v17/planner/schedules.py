@@ -88,6 +88,25 @@ class ScheduleInfo:
                 f"engine cannot run it (the planner can still estimate it); choose one of {ok}"
             )
 
+    def check_microbatches(self, *, pp: int, microbatches: int) -> None:
+        """Raise a :class:`V17ConfigError` naming valid values unless torch's schedule accepts ``microbatches``.
+
+        torch.distributed.pipelining (2.13): ``Schedule1F1B`` needs m >= p; the interleaved and zero-bubble runtimes
+        run ``max(1, m // p)`` rounds and need m to be a multiple of that.
+        """
+        name, m, p = self.schedule.value, microbatches, pp
+        if self.schedule == Schedule.ONE_F_ONE_B and m < p:
+            raise V17ConfigError(
+                f"pp_schedule={name!r} needs microbatches >= pp stages: microbatches={m} < pp={p}; set "
+                f"microbatches >= {p}"
+            )
+        if self.placement == Placement.LOOP and self.runnable and m % max(1, m // p) != 0:
+            ok = [k for k in range(p, 4 * p + 1) if k % max(1, k // p) == 0]
+            raise V17ConfigError(
+                f"pp_schedule={name!r} runs microbatches // pp rounds and needs microbatches to be a multiple of "
+                f"them: microbatches={m} with pp={p} is not; try one of {ok[:6]}"
+            )
+
     def stage_ids(self, pp_rank: int, *, pp: int, virtual_stages: int) -> tuple[int, ...]:
         """Global stage indices owned by pipeline rank ``pp_rank``, in increasing order."""
         if self.placement == Placement.V:

@@ -98,3 +98,14 @@ def test_missing_ckpt_path_says_it_does_not_exist(tmp_path):
     (tmp_path / "file.ckpt").write_text("x")
     with pytest.raises(V17ConfigError, match="is not a V17 sharded checkpoint directory"):
         s.load_checkpoint(tmp_path / "file.ckpt")
+
+
+def test_microbatches_torch_cannot_schedule_are_refused_at_construction():
+    with pytest.raises(V17ConfigError, match=r"microbatches=2 < pp=4; set microbatches >= 4"):
+        _strategy(pp=4, zero_stage=1, pp_schedule="1f1b", microbatches=2)
+    with pytest.raises(V17ConfigError, match=r"microbatches=5 with pp=2 is not; try one of"):
+        _strategy(pp=2, zero_stage=1, pp_schedule="interleaved_1f1b", virtual_stages=2, microbatches=5)
+    with pytest.raises(V17ConfigError, match="no torch.distributed.pipelining implementation"):
+        _strategy(pp=2, zero_stage=1, pp_schedule="zb_h2", virtual_stages=2)
+    _strategy(pp=2, zero_stage=1, pp_schedule="interleaved_1f1b", virtual_stages=2, microbatches=6)  # 3 rounds of 2
+    _strategy(pp=4, zero_stage=1, pp_schedule="gpipe", microbatches=2)  # GPipe has no such limit
