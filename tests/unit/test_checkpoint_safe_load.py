@@ -295,8 +295,8 @@ def test_v17_strategy_checkpoints_load_safely_by_default_and_refuse_code(v17_run
 @pytest.mark.xfail(
     strict=True,
     reason="Lightning 2.6.6 Trainer._run drops weights_only for strategies with restore_checkpoint_after_setup "
-    "(V17Strategy), and V17Strategy.load_checkpoint does not yet pass it to _checkpoint.load; remove this marker "
-    "once both carry it",
+    "(V17Strategy); V17Strategy.load_checkpoint passes what it receives on to _checkpoint.load, so remove this "
+    "marker once Lightning forwards it",
 )
 def test_v17_strategy_passes_weights_only_false_from_trainer_fit(v17_run):
     _root, r = v17_run
