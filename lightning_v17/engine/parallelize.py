@@ -137,8 +137,6 @@ def apply_zero_stage(
         engine=engine,
         shard_group=mesh.group("dp_shard"),
         shard_size=mesh.spec.dp_shard,
-        dp_size=mesh.spec.dp,
-        bucket_mb=z.bucket_mb,
     )
 
 

@@ -5,13 +5,12 @@ replicated parameters); stage 3 runs on FSDP2 (:mod:`lightning_v17.engine.fsdp`)
 helpers, gradient clipping, ``MemoryBuckets`` and ``AsyncCheckpoint`` used to re-decide what a stage means
 (``zero_stage == 3``, ``stage in (1, 2)``); they ask a :class:`ZeroBackend` instead:
 
-* what is sharded (``shards_params`` / ``shards_grads`` / ``shards_optimizer``), over which axis (``shard_axis``:
-  always ``dp_shard``; the ``dp_replicate`` axis of HSDP only replicates) and how many ways (``shard_size``);
+* what is sharded (``shards_params`` / ``shards_grads`` / ``shards_optimizer``), over which axis (always
+  ``dp_shard``; the ``dp_replicate`` axis of HSDP only replicates) and how many ways (``shard_size``);
 * gradient synchronisation: :meth:`no_sync` (accumulation), and the per-step hooks the pipeline needs
   (``require_grad_sync`` / :meth:`finish_grad_sync`);
 * the optimizer: :meth:`prepare_optimizers` (partition before the first step), :meth:`after_optimizer_step`
   (make the replicated parameters whole again), :meth:`optimizer_state_dict` / :meth:`load_optimizer_state_dict`;
-* bytes: :meth:`bucket_bytes` (the gradient bucket the planner counts).
 """
 
 from __future__ import annotations
@@ -38,8 +37,6 @@ class ZeroBackend:
         engine: the :class:`ZeroEngine` for stages 0-2; None for stage 3.
         shard_group: process group of the ``dp_shard`` axis (what stages 1-3 partition over).
         shard_size: size of that axis.
-        dp_size: all data-parallel ranks (``dp_replicate * dp_shard``).
-        bucket_mb: gradient bucket size of stages 0-2 in MiB.
     """
 
     def __init__(
@@ -50,8 +47,6 @@ class ZeroBackend:
         engine: ZeroEngine | None,
         shard_group: Any,
         shard_size: int,
-        dp_size: int,
-        bucket_mb: float,
     ) -> None:
         if (engine is None) != (stage == 3):
             raise ValueError(f"ZeroBackend(stage={stage}) needs a ZeroEngine exactly for stages 0-2")
@@ -60,8 +55,6 @@ class ZeroBackend:
         self.engine = engine
         self.shard_group = shard_group
         self.shard_size = shard_size
-        self.dp_size = dp_size
-        self.bucket_mb = bucket_mb
         #: False after :meth:`remove` (Trainer teardown): the stage must be applied again before the next run
         self.active = True
 
@@ -78,14 +71,6 @@ class ZeroBackend:
     def shards_params(self) -> bool:
         return self.stage >= 3
 
-    #: the mesh axis stages 1-3 partition over (``dp_replicate`` only replicates, HSDP)
-    shard_axis = "dp_shard"
-
-    @property
-    def deferred_init(self) -> bool:
-        """Whether ``configure_model`` may build on the meta device (only sharded parameters are materialized)."""
-        return self.shards_params
-
     def grads_are_sharded(self) -> bool:
         """Whether the optimizer's gradients are disjoint pieces over :attr:`shard_group` (global-norm clipping must
         then all-reduce the squared norm); False at stage 0, where every rank holds the whole gradient."""
@@ -95,10 +80,6 @@ class ZeroBackend:
         """Whether optimizer parameter ``p`` is a local piece of a tensor-parallel-sharded parameter (stages 0-2;
         stage 3 parameters are DTensors that carry their own placements)."""
         return self.engine.is_tp_sharded(p) if self.engine is not None else False
-
-    def bucket_bytes(self) -> int:
-        """Bytes of one gradient bucket (stages 1-2: DeepSpeed's ``reduce_bucket_size``); 0 where there is none."""
-        return int(self.bucket_mb * 2**20) if self.stage in (1, 2) else 0
 
     # ------------------------------------------------------------------ gradient synchronisation
     @contextmanager

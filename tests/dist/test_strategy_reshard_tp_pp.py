@@ -237,9 +237,8 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
         engine = Z.apply_zero(model, stage=1, mesh=mesh)
         opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
         backend = ZeroBackend(
-            model, stage=1, engine=engine, shard_group=mesh["dp_shard"].get_group(), shard_size=spec.dp_shard,
-            dp_size=spec.dp, bucket_mb=25.0,
-        )  # fmt: skip
+            model, stage=1, engine=engine, shard_group=mesh["dp_shard"].get_group(), shard_size=spec.dp_shard
+        )
         return model, backend, opt
 
     model, engine, opt = build(MeshSpec(dp_shard=2, tp=2))
