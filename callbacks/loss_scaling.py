@@ -23,7 +23,9 @@ class DynamicLossScaling(Callback):
 
     How it plugs in: use it with ``precision="16-mixed"`` (fp16 autocast over fp32 master weights, the only fp16
     mode with master weights; seed §12.4). At ``on_fit_start`` (after the strategy's own setup) it replaces the
-    precision plugin's ``torch.amp.GradScaler`` with a :class:`ShardedLossScaler`, so Lightning's own AMP path
+    precision plugin's ``torch.amp.GradScaler`` with a :class:`ShardedLossScaler`; under ``V17Strategy``, which
+    already runs one built from its policy, it configures that scaler (this callback's options win) instead of
+    adding another. Lightning's own AMP path
     (``MixedPrecision.pre_backward`` / ``optimizer_step``) calls it in the right order: scale the loss before
     backward, **unscale after the closure and before** ``on_before_optimizer_step`` **and gradient clipping** (so
     the clip norm is not S times too large), then step (skipped on overflow) and update. The inf/NaN check reads
@@ -114,9 +116,22 @@ class DynamicLossScaling(Callback):
         self.active = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Installed here, after strategy.setup(): strategies may swap the plugin's GradScaler while setting up
-        # (V17Strategy installs a ShardedGradScaler, for runs without this callback); ours must be the one that runs.
-        if self.active and self.scaler is not None:
+        # After strategy.setup(): V17Strategy has installed its one ShardedLossScaler by now; configure that one (our
+        # policy and skip accounting) instead of adding a second scaler. Other strategies keep Lightning's
+        # GradScaler, which ours replaces.
+        if not (self.active and self.scaler is not None):
+            return
+        current = getattr(trainer.precision_plugin, "scaler", None)
+        if isinstance(current, ShardedLossScaler):
+            strategy_policy = current.tracker.policy
+            if strategy_policy != self.policy and strategy_policy != LossScalePolicy():
+                rank_zero_warn(
+                    f"DynamicLossScaling's options ({self.policy}) replace the strategy's loss-scale policy "
+                    f"({strategy_policy}, e.g. from the DeepSpeed config's fp16 block); drop one of them to silence this"
+                )
+            current.configure(self.tracker, on_skip=self._on_skip)
+            self.scaler = current
+        else:
             trainer.precision_plugin.scaler = self.scaler  # MixedPrecision now calls scale/unscale_/step/update on ours
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

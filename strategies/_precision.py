@@ -6,31 +6,49 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
+from lightning_v17.config import LossScalePolicy
 from lightning_v17.config import Precision as V17Precision
 from lightning_v17.engine.clip import clip_grad_norm_
+from lightning_v17.engine.trackers.loss_scale import LossScaleTracker, ShardedLossScaler
 
 if TYPE_CHECKING:
     from lightning_v17.strategies.v17 import V17Strategy
 
 
 def apply_config_precision(strategy: V17Strategy) -> None:
-    """A DeepSpeed config's bf16/fp16 block applies only if the Trainer was left at the default 32-true."""
+    """A DeepSpeed config's bf16/fp16 block applies only if the Trainer was left at the default 32-true.
+
+    fp16 gets the strategy's one loss scaler (:func:`build_loss_scaler`) from the start, so nothing swaps it later.
+    """
     want = strategy.policy.precision
     if want is None or type(strategy.precision_plugin) is not Precision:
         return
     if want in (V17Precision.BF16_MIXED, V17Precision.FP16_MIXED):
-        scaler = None
-        if want == V17Precision.FP16_MIXED:
-            ls = strategy.policy.loss_scale
-            scaler = torch.amp.GradScaler(
-                strategy.root_device.type,
-                **({} if ls is None else {"init_scale": ls.init_scale, "growth_interval": ls.growth_interval,
-                                          "backoff_factor": ls.backoff_factor, "growth_factor": ls.growth_factor}),
-            )  # fmt: skip
+        scaler = build_loss_scaler(strategy) if want == V17Precision.FP16_MIXED else None
         strategy.precision_plugin = MixedPrecision(want.value, device=strategy.root_device.type, scaler=scaler)
+
+
+def build_loss_scaler(strategy: V17Strategy, like: Any = None) -> ShardedLossScaler:
+    """The strategy's one fp16 loss scaler: a :class:`ShardedLossScaler` over the policy's :class:`LossScalePolicy`.
+
+    The policy comes from the DeepSpeed config's fp16 block (``initial_scale_power``, ``loss_scale_window``,
+    ``hysteresis``, ``min_loss_scale``) when there is one. Otherwise, when the user's precision plugin brought a
+    ``torch.amp.GradScaler`` (``like``), its init scale, growth/backoff factors and interval carry over, with
+    ``hysteresis=1`` as GradScaler has. The ``DynamicLossScaling`` callback later *configures* this scaler (its
+    policy, skip accounting) instead of installing another one.
+    """
+    policy = strategy.policy.loss_scale
+    if policy is None and like is not None and like.is_enabled():
+        policy = LossScalePolicy(
+            init_scale=float(like.get_scale()),
+            growth_factor=float(like.get_growth_factor()),
+            backoff_factor=float(like.get_backoff_factor()),
+            growth_interval=int(like.get_growth_interval()),
+            min_scale=min(1.0, float(like.get_scale())),
+        )
+    return ShardedLossScaler(LossScaleTracker(policy or LossScalePolicy()))
 
 
 def mixed_precision_dtypes(plugin: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -55,8 +73,9 @@ def patch_precision_plugin(strategy: V17Strategy) -> None:
       which under ZeRO are this rank's shards: a per-shard norm (the classic bug). We replace it on this plugin
       instance with :func:`lightning_v17.engine.clip.clip_grad_norm_` (one all-reduce of the squared norm).
     * ``MixedPrecision``'s ``GradScaler`` checks for inf/nan only in this rank's gradients, so with sharded
-      gradients ranks could disagree on skipping a step and diverge silently. We swap in FSDP's
-      ``ShardedGradScaler`` (same scale settings), which all-reduces ``found_inf`` over the world.
+      gradients ranks could disagree on skipping a step and diverge silently. When Lightning built one (the user's
+      ``precision="16-mixed"``) it is replaced, once, by the strategy's :func:`build_loss_scaler`, which checks
+      every shard with one all-reduce over the world and honours ``hysteresis`` and ``min_loss_scale``.
     """
     plugin = strategy.precision_plugin
 
@@ -75,25 +94,14 @@ def patch_precision_plugin(strategy: V17Strategy) -> None:
 
     plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
     scaler = getattr(plugin, "scaler", None)
-    if scaler is not None and _distributed_is_initialized():
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        if not isinstance(scaler, ShardedGradScaler):
-            plugin.scaler = ShardedGradScaler(
-                device=strategy.root_device.type,
-                init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
-                growth_factor=scaler.get_growth_factor(),
-                backoff_factor=scaler.get_backoff_factor(),
-                growth_interval=scaler.get_growth_interval(),
-                enabled=scaler.is_enabled(),
-            )
+    if scaler is not None and not isinstance(scaler, ShardedLossScaler):
+        plugin.scaler = build_loss_scaler(strategy, like=scaler)
 
 
 def loss_scale(strategy: V17Strategy) -> Any:
-    """The fp16 GradScaler's current scale (initialized on first use), or None without a scaler."""
+    """The fp16 loss scale as a float32 tensor on the root device (the pipeline schedule scales its losses by it),
+    or None without a scaler."""
     scaler = getattr(strategy.precision_plugin, "scaler", None)
     if scaler is None or not scaler.is_enabled():
         return None
-    if scaler._scale is None:  # GradScaler allocates its scale lazily in scale(); the schedule scales instead
-        scaler._lazy_init_scale_growth_tracker(strategy.root_device)
-    return scaler._scale.to(device=strategy.root_device, dtype=torch.float32)
+    return torch.tensor(float(scaler.get_scale()), dtype=torch.float32, device=strategy.root_device)

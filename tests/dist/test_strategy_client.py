@@ -156,7 +156,6 @@ def _alias_and_fp16() -> dict:
     bf16, so the config path is how fp16 autocast + loss scaling runs on CPU)."""
     import lightning_v17.strategies  # noqa: F401 - registers the aliases
     from lightning_v17.strategies import V17Strategy
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.utils.data import DataLoader
 
     from tests.dist.test_zero_parity import _lit_cls
@@ -171,28 +170,45 @@ def _alias_and_fp16() -> dict:
     model = _lit_cls()()
     ds = {
         "zero_optimization": {"stage": 2},
-        "fp16": {"enabled": True, "initial_scale_power": 8},
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 2, "min_loss_scale": 64},
         "gradient_clipping": 1.0,
     }
     trainer = _quiet_trainer(strategy=V17Strategy(config=ds), max_steps=3)
     trainer.fit(model, DataLoader(_ckpt_data(), batch_size=4))
     scaler = trainer.strategy.precision_plugin.scaler
-    # An inf in ONE rank's gradient shard must make EVERY rank skip the step (found_inf all-reduced).
-    opt = trainer.optimizers[0]
-    for group in opt.param_groups:
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    if torch.distributed.get_rank() == 0:
-        opt.param_groups[0]["params"][0].grad.fill_(float("inf"))
-    scaler.unscale_(opt)
-    found_inf = sum(float(v) for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
     out.update(
         precision=trainer.strategy.precision_plugin.precision,
-        sharded_scaler=isinstance(scaler, ShardedGradScaler),
+        scaler_type=type(scaler).__name__,
         scale=float(scaler.get_scale()),
         clip=trainer.gradient_clip_val,
-        found_inf=found_inf,
         losses=model.losses,
+    )
+    # An inf in ONE rank's gradient shard must make EVERY rank skip the step (found_inf all-reduced), and the
+    # config's hysteresis=2 / min_loss_scale=64 must drive the scale (DeepSpeed's delayed shift, by hand):
+    # 256 -> 256 (1st overflow) -> 128 -> 128 -> 64 -> 64 -> the 6th would back off to 32 < 64: LossScaleError.
+    opt = trainer.optimizers[0]
+    before = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    scales, skipped, error = [], [], None
+    try:
+        for _ in range(6):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            if torch.distributed.get_rank() == 0:
+                opt.param_groups[0]["params"][0].grad.fill_(float("inf"))
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            skipped.append(scaler.last_step_skipped)
+            scaler.update()
+            scales.append(float(scaler.get_scale()))
+    except Exception as exc:  # noqa: BLE001 - the collapse below min_loss_scale is what we check for
+        error = f"{type(exc).__name__}: {exc}"
+    after = [p.detach() for g in opt.param_groups for p in g["params"]]
+    out.update(
+        overflow_scales=scales,
+        overflow_skipped=skipped,
+        overflow_error=error,
+        params_unchanged=all(torch.equal(a, b) for a, b in zip(before, after)),
     )
     return out
 
@@ -260,11 +276,14 @@ def test_checkpoint_saved_at_zero2_resumes_at_other_stages(results: list[dict], 
     assert ck[f"param_err{stage}"] <= 1e-5
 
 
-def test_registry_alias_and_fp16_sharded_scaler(results: list[dict]) -> None:
+def test_registry_alias_and_fp16_one_scaler_from_config(results: list[dict]) -> None:
     for res in results:
         a = res["alias"]
         assert a["strategy"] == "V17Strategy" and a["stage"] == 2
-        assert a["precision"] == "16-mixed" and a["sharded_scaler"] and a["clip"] == 1.0, a
-        assert a["found_inf"] == 1.0, "the inf seen by rank 0 only must be reported on every rank"
-        assert a["scale"] <= 2.0**8  # from initial_scale_power (it can only have backed off in 3 steps)
+        assert a["precision"] == "16-mixed" and a["scaler_type"] == "ShardedLossScaler" and a["clip"] == 1.0, a
+        assert a["scale"] == 2.0**8, "initial_scale_power=8 and no overflow in 3 fp16 steps of a tiny model"
         assert len(a["losses"]) == 3 and all(torch.isfinite(torch.tensor(a["losses"])))
+        # rank 0's inf skipped the step on every rank, and hysteresis / min_loss_scale came from the config
+        assert a["overflow_skipped"] == [True] * 6 and a["params_unchanged"], a
+        assert a["overflow_scales"] == [256.0, 128.0, 128.0, 64.0, 64.0], a
+        assert a["overflow_error"] and "min_scale=64" in a["overflow_error"], a

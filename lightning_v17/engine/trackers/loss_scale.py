@@ -228,12 +228,20 @@ class ShardedLossScaler:
         self.tracker.update(found_inf, cause=self._likely_cause)
 
     def state_dict(self) -> dict[str, Any]:
-        # The owning callback checkpoints the tracker; returning {} keeps one source of truth in the checkpoint.
-        return {}
+        """The tracker's state (scale and counters): saved with the precision plugin in every checkpoint."""
+        return self.tracker.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state and "scale" in state:  # a checkpoint written by a plain GradScaler: take over its scale
+        if state and "good_steps" in state:
+            self.tracker.load_state_dict(state)
+        elif state and "scale" in state:  # a checkpoint written by a plain GradScaler: take over its scale
             self.tracker.scale = float(state["scale"])
+
+    def configure(self, tracker: LossScaleTracker, *, on_skip: Callable[[], None] | None = None) -> None:
+        """Drive ``tracker`` (its policy and counters) from now on; used by the ``DynamicLossScaling`` callback so
+        that it configures the strategy's scaler instead of installing a second one."""
+        self.tracker = tracker
+        self.on_skip = on_skip
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _unscale_and_check(self, optimizer: Any) -> bool:
