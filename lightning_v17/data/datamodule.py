@@ -204,8 +204,23 @@ class PackedDataModule(L.LightningDataModule):
             train = StdlibCorpus("train", **kw)
             if val is None:
                 val = StdlibCorpus("val", **kw)
+        self._check_seq_len()
         self.train_rows = self._rows(train)
         self.val_rows = self._rows(val) if val is not None else None
+
+    def _check_seq_len(self) -> None:
+        """Refuse ``seq_len`` longer than the model's context (ours ``max_seq_len``, HF ``max_position_embeddings``,
+        litgpt ``block_size``): rows that long would train positions the model was never meant to see, or index
+        past a position table."""
+        trainer = getattr(self, "trainer", None)
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        found = _model_context_length(module)
+        if found is not None and self.seq_len > found[1]:
+            where, limit = found
+            raise ValueError(
+                f"seq_len={self.seq_len} (the data module's rows) is longer than the model's context {where}={limit}; "
+                f"set data seq_len <= {limit}, or build the model with a longer context"
+            )
 
     def stats(self) -> dict[str, float]:
         """Rows, chunks, split documents and padding fraction of the training plan."""
@@ -294,3 +309,25 @@ class PackedDataModule(L.LightningDataModule):
         if self.train_sampler is not None:
             self.train_sampler.load_state_dict(state_dict)
             self._pending_state = None
+
+
+_CONTEXT_ATTRS = ("max_seq_len", "max_position_embeddings", "block_size")
+
+
+def _model_context_length(module: Any) -> tuple[str, int] | None:
+    """(attribute path, value) of the model's context length, looked up on the LightningModule, its ``config``, its
+    ``model`` and ``model.config`` (our reference model, HF ``transformers``, litgpt); None when none is found."""
+    if module is None:
+        return None
+    model = getattr(module, "model", None)
+    candidates = (
+        ("config", getattr(module, "config", None)),
+        ("model.config", getattr(model, "config", None)),
+        ("model", model),
+    )
+    for prefix, obj in candidates:
+        for attr in _CONTEXT_ATTRS:
+            value = getattr(obj, attr, None) if obj is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return f"{prefix}.{attr}", value
+    return None

@@ -125,3 +125,23 @@ def test_resume_mid_epoch_through_a_lightning_checkpoint(tmp_path):
         assert torch.equal(a, b)
     state = torch.load(tmp_path / "b" / "last.ckpt", weights_only=False)["PackedDataModule"]
     assert state["consumed"] == 8 * 2 and state["epoch"] == 0
+
+
+def test_seq_len_longer_than_the_model_context_is_refused_at_setup(tmp_path):
+    """seq_len > the model's max_seq_len is refused before any step, naming both options and the fix."""
+    model = LlamaLM(model="tiny", model_overrides={"max_seq_len": 32})
+    dm = PackedDataModule(_docs(20), seq_len=48, batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"seq_len=48 .* config\.max_seq_len=32; set data seq_len <= 32"):
+        trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 0
+    # at the limit it trains
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=PackedDataModule(_docs(20), seq_len=32, batch_size=2))
+    assert trainer.global_step == 1
