@@ -52,20 +52,47 @@ def flex_attention_available() -> bool:
     return True
 
 
-def resolve_backend(q: torch.Tensor, backend: str | AttentionBackend = "auto") -> AttentionBackend:
-    """The backend that will run for ``q``; a forced GPU backend on CPU raises with the fix."""
+def resolve_backend(
+    q: torch.Tensor, backend: str | AttentionBackend = "auto", *, dropout_p: float = 0.0
+) -> AttentionBackend:
+    """The backend that will run for ``q``; a forced GPU backend on CPU raises with the fix.
+
+    ``auto`` never picks FlexAttention when ``dropout_p > 0``: flex_attention has no dropout, so such calls go to
+    per-document SDPA instead (forcing ``flex`` with dropout raises with the fix).
+    """
     backend = AttentionBackend.parse(backend)
     if backend is AttentionBackend.AUTO:
         if q.is_cuda and flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16):
             return AttentionBackend.FLASH
-        if q.is_cuda and flex_attention_available():
+        if q.is_cuda and flex_attention_available() and not dropout_p:
             return AttentionBackend.FLEX
         return AttentionBackend.SDPA
     if backend is not AttentionBackend.SDPA and not q.is_cuda:
         raise ValueError(f"attention backend {backend.value!r} needs CUDA tensors; use 'sdpa' (or 'auto') on CPU")
     if backend is AttentionBackend.FLASH and not flash_attn_available():
         raise ValueError("attention backend 'flash' needs the flash-attn package (pip install flash-attn)")
+    if backend is AttentionBackend.FLEX and dropout_p:
+        raise ValueError(
+            f"attention backend 'flex' has no attention dropout (dropout_p={dropout_p}); set the model's dropout=0, "
+            "or use backend='auto'/'sdpa' (per-document SDPA supports dropout)"
+        )
     return backend
+
+
+def _host_offsets(cu: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as a Python list, converted once per tensor object: every layer of a forward gets the same
+    ``cu_seqlens`` tensor, so on CUDA this is one device->host sync per forward instead of one per layer."""
+    cached = getattr(cu, "_v17_host_offsets", None)
+    if cached is None:
+        cached = cu.tolist()
+        cu._v17_host_offsets = cached  # a plain Python attribute on this tensor object
+    return cached
+
+
+def _max_seqlen(cu: torch.Tensor) -> int:
+    """Longest document of ``cu_seqlens`` from the cached host offsets (no extra sync)."""
+    offsets = _host_offsets(cu)
+    return max((b - a for a, b in itertools.pairwise(offsets)), default=0)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -121,14 +148,16 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     # Uncompiled flex_attention materializes the scores; compiled, it runs as a fused block-sparse kernel.
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic=None (automatic dynamic shapes): the first new token count recompiles once with symbolic shapes, and no
+    # later shape recompiles (dynamic=False recompiled on every new batch shape).
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def _flex_varlen(q, k, v, cu: torch.Tensor, dropout_p: float, scale: float | None) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if dropout_p:
-        raise ValueError("attention dropout is not supported by the FlexAttention backend; set dropout=0")
+    if dropout_p:  # resolve_backend never gets here with dropout; direct callers get the same message
+        raise ValueError(f"attention backend 'flex' has no attention dropout (dropout_p={dropout_p}); use 'sdpa'")
     total = q.shape[0]
     cu = cu.to(device=q.device, dtype=torch.int64)
     lengths = cu[1:] - cu[:-1]
@@ -161,7 +190,8 @@ def varlen_attention(
         k: [T, Hkv, D] keys (``Hq % Hkv == 0``: grouped-query attention).
         v: [T, Hkv, D] values.
         cu_seqlens: [n+1] int32 document offsets, 0 first and T last.
-        max_seqlen: longest document (flash-attn needs it; computed if None).
+        max_seqlen: longest document (flash-attn needs it; when None it is read from ``cu_seqlens`` once per tensor,
+            i.e. once per forward, not once per layer).
         dropout_p: attention dropout probability (training only).
         scale: softmax scale; default 1/sqrt(D).
         backend: see :class:`AttentionBackend`.
@@ -169,15 +199,14 @@ def varlen_attention(
     Returns:
         [T, Hq, D].
     """
-    which = resolve_backend(q, backend)
+    which = resolve_backend(q, backend, dropout_p=dropout_p)
     if which is AttentionBackend.FLASH:
-        if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if max_seqlen is None:  # the data pipeline provides it (collate_rows); else one host read per forward
+            max_seqlen = _max_seqlen(cu_seqlens)
         return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, dropout_p, scale)
     if which is AttentionBackend.FLEX:
-        return _flex_varlen(q, k, v, cu_seqlens, dropout_p, scale)
-    # One host sync for the boundaries, then plain Python slicing.
-    return _sdpa_per_document(q, k, v, cu_seqlens.tolist(), dropout_p, scale)
+        return _flex_varlen(q, k, v, cu_seqlens, dropout_p, scale)  # the mask is built on the device: no host sync
+    return _sdpa_per_document(q, k, v, _host_offsets(cu_seqlens), dropout_p, scale)
 
 
 def causal_attention(

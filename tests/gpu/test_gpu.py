@@ -52,6 +52,30 @@ def test_cuda_varlen_backends_match_per_document_sdpa(backend):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
+def test_flex_does_not_recompile_per_token_count():
+    """FlexAttention is compiled with automatic dynamic shapes: three packed batches with different token counts
+    compile at most two graphs (one static, one dynamic), where dynamic=False compiled one per shape. (On CPU,
+    inductor's flex C++ template fails to compile the dynamic document-mask kernel in torch 2.13, CppCompileError
+    "cur_qSplitSize8", so this check can only run on CUDA.)"""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lightning_v17.models.attention import _compiled_flex, flex_attention_available, varlen_attention
+
+    if not flex_attention_available():
+        pytest.skip("FlexAttention is not available in this torch build")
+    torch._dynamo.reset()
+    _compiled_flex.cache_clear()
+    counters.clear()
+    for lengths in ([100, 156], [17, 300, 75], [128, 64, 64, 10, 500]):
+        q, k, v, cu = _random_packed(sum(lengths), lengths, 8, 4, 64, torch.bfloat16)
+        with torch.no_grad():
+            out = varlen_attention(q, k, v, cu, max(lengths), backend="flex")
+            ref = varlen_attention(q, k, v, cu, max(lengths), backend="sdpa")
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
 def _nccl_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 

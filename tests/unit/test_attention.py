@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,3 +170,38 @@ def test_flash_backend_matches_sdpa_on_cuda():
     ref = varlen_attention(q.float(), k.float(), v.float(), cu, backend="sdpa")
     out = varlen_attention(q, k, v, cu, 256, backend="flash")
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_auto_never_picks_flex_with_dropout_and_forced_flex_with_dropout_names_the_fix(monkeypatch):
+    """On a CUDA tensor with FlexAttention available and no flash-attn, 'auto' picks flex without dropout and
+    per-document SDPA with it (flex_attention has no dropout; it used to raise mid-forward)."""
+    from lightning_v17.models import attention
+
+    monkeypatch.setattr(attention, "flex_attention_available", lambda: True)
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    q = SimpleNamespace(is_cuda=True, dtype=torch.float32)  # only is_cuda/dtype are read
+    assert resolve_backend(q, "auto") is AttentionBackend.FLEX
+    assert resolve_backend(q, "auto", dropout_p=0.1) is AttentionBackend.SDPA
+    with pytest.raises(ValueError, match=r"'flex' has no attention dropout \(dropout_p=0.1\); set the model's dropout=0"):
+        resolve_backend(q, "flex", dropout_p=0.1)
+
+
+def test_varlen_reads_cu_seqlens_to_the_host_once_per_forward_not_per_layer(monkeypatch):
+    """Every layer gets the same cu_seqlens tensor; the boundaries are read to the host once (a device sync on CUDA)."""
+    model = _tiny()  # several layers
+    n_layers = len(model.layers)
+    assert n_layers >= 2
+    tokens, pos, cu = _packed([[4, 8, 4], [3, 3, 3, 7]], seed=1)
+    calls = []
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        calls.append(tuple(self.shape))
+        return real_tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    out = model(tokens, pos, cu, None)
+    assert calls.count(tuple(cu.shape)) == 1, (calls, n_layers)
+    monkeypatch.setattr(torch.Tensor, "tolist", real_tolist)
+    torch.testing.assert_close(out, model(tokens, pos, cu.clone(), 8), atol=0, rtol=0)
+
