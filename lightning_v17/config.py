@@ -383,6 +383,8 @@ class TrainingPolicy:
         pipeline: pipeline schedule policy (used when the mesh has pp > 1).
         recompute: activation checkpointing mode.
         sequence_parallel: shard norms/dropout along the sequence dim under TP (Korthikanti 2022 §4.2.2).
+        vocab_parallel: shard the input embedding along the vocabulary under TP (the model's own plan).
+        loss_parallel: keep logits vocab-sharded under TP; the loss runs inside torch's ``loss_parallel()``.
         tp_plan: an explicit tensor-parallel plan, ``{fqn (``*`` wildcards allowed): style name}``; None: the
             LightningModule's or the model's own plan.
         loss_scale: fp16 loss-scaling policy (None: Lightning's defaults, or bf16/fp32 with no scaler).
@@ -400,6 +402,8 @@ class TrainingPolicy:
     pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
     recompute: Recompute = Recompute.NONE
     sequence_parallel: bool = False
+    vocab_parallel: bool = False
+    loss_parallel: bool = False
     tp_plan: dict[str, Any] | None = None
     loss_scale: LossScalePolicy | None = None
     gradient_clipping: float | None = None

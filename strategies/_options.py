@@ -92,6 +92,8 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
         pipeline=pipeline,
         recompute=Recompute.parse(pick("activation_checkpointing", base.recompute)),
         sequence_parallel=bool(given["sequence_parallel"]),
+        vocab_parallel=bool(given["vocab_parallel"]),
+        loss_parallel=bool(given["loss_parallel"]),
         tp_plan=dict(tp_plan) if tp_plan else None,
     )
 

@@ -70,6 +70,13 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         dp_shard: ranks over which ZeRO partitions; "auto" = world size / (pp * dp_replicate * cp * tp).
         cp: context-parallel size (reserved; must be 1).
         sequence_parallel: with tp > 1, shard norms/dropout along the sequence dim (Korthikanti 2022 §4.2.2).
+        vocab_parallel: with tp > 1, shard the input embedding along the vocabulary (Megatron's
+            VocabParallelEmbedding); tp must divide the vocabulary size. Shapes the model's own plan only.
+        loss_parallel: with tp > 1, keep the output head's logits sharded along the vocabulary and compute the
+            cross-entropy on the shards (torch's ``loss_parallel()``; Megatron's vocab-parallel cross entropy): the
+            [batch, seq, vocab] logits are never gathered. The strategy runs ``training_step``/``validation_step``/
+            ``test_step`` and backward inside that context, so the loss must be ``F.cross_entropy`` on the logits
+            (the reference ``LlamaLM``'s is). pp=1 only.
         activation_checkpointing: "none", "selective" (save matmul outputs, recompute the rest) or "full"
             (recompute each block). Refused for a model without repeated blocks unless ``wrap_classes`` names them.
         tp_plan: explicit tensor-parallel plan ``{fqn: style}``; ``*`` matches one FQN component; styles "colwise",
@@ -121,6 +128,8 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         dp_shard: int | str = "auto",
         cp: int = 1,
         sequence_parallel: bool = False,
+        vocab_parallel: bool = False,
+        loss_parallel: bool = False,
         activation_checkpointing: str = "none",
         tp_plan: dict[str, str] | None = None,
         pp_split_points: Sequence[str] | None = None,
@@ -152,9 +161,15 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         MeshSpec(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)
         check_composition(self.policy, pp=pp, tp=tp)
         for option, needs, on in (("sequence_parallel", "tp", sequence_parallel), ("tp_plan", "tp", tp_plan),
+                                  ("vocab_parallel", "tp", vocab_parallel), ("loss_parallel", "tp", loss_parallel),
                                   ("pp_split_points", "pp", pp_split_points)):  # fmt: skip
             if on and {"tp": tp, "pp": pp}[needs] == 1:
                 raise V17ConfigError(f"{option} applies only with {needs} > 1 (got {needs}=1); set {needs} or drop it")
+        if loss_parallel and pp > 1:
+            raise V17ConfigError(
+                f"loss_parallel=True with pp={pp} is not supported: the pipeline schedule computes the loss on the last "
+                "stage outside the strategy's loss_parallel() context; use loss_parallel with pp=1, or drop it"
+            )
         if not (dp_shard in ("auto", -1) or (isinstance(dp_shard, int) and dp_shard >= 1)):
             raise V17ConfigError(f"dp_shard={dp_shard!r} must be a positive integer or 'auto'")
         self._axes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
@@ -313,7 +328,10 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             if spec.tp > 1:
                 from lightning_v17.models.tp_plans import resolve_tp_plan
 
-                tp_plan = resolve_tp_plan(model, explicit=policy.tp_plan, sequence_parallel=policy.sequence_parallel)
+                tp_plan = resolve_tp_plan(
+                    model, explicit=policy.tp_plan, sequence_parallel=policy.sequence_parallel,
+                    vocab_parallel=policy.vocab_parallel, loss_parallel=policy.loss_parallel,
+                )  # fmt: skip
             if spec.pp > 1:
                 pipeline, layout, loss_fn = _pipeline.pipeline_options(model, policy.pipeline)
                 policy = replace(policy, pipeline=pipeline)
@@ -357,19 +375,22 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             self._batch_checked = True
         if self._pipelined():
             return _pipeline.training_step(self, args, kwargs)
-        return super().training_step(*args, **kwargs)
+        with self._loss_parallel():
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipelined():
             return _pipeline.eval_step(self, "val", args, kwargs)
-        return super().validation_step(*args, **kwargs)
+        with self._loss_parallel():
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipelined():
             return _pipeline.eval_step(self, "test", args, kwargs)
-        return super().test_step(*args, **kwargs)
+        with self._loss_parallel():
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -384,7 +405,14 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipelined():
             return closure_loss.detach()  # the pipeline schedule already ran backward (NeMo's skip-backward)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self._loss_parallel():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _loss_parallel(self) -> Any:
+        """torch's ``loss_parallel()`` when ``loss_parallel=True`` (the loss and its backward must both run inside)."""
+        from lightning_v17.engine.tensor_parallel import loss_parallel_context
+
+        return loss_parallel_context(self.policy.loss_parallel)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -31,6 +31,8 @@ def next_token_loss(
     per_token = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     )
+    if hasattr(per_token, "full_tensor"):  # loss_parallel: vocab-sharded logits -> a (replicated) DTensor per token
+        per_token = per_token.full_tensor()
     weight = (labels.reshape(-1) != IGNORE_INDEX).float()
     if loss_mask is not None:
         weight = weight * loss_mask.reshape(-1).float()

@@ -20,7 +20,20 @@ CASES = {
     "tp2_zero0": {"tp": 2, "zero_stage": 0},
     "tp2_zero1": {"tp": 2, "zero_stage": 1},
     "tp2_zero3": {"tp": 2, "zero_stage": 3},
+    # the strategy options for the model's own plan: norms sequence-sharded, embedding vocab-sharded, logits kept
+    # vocab-sharded with the loss computed on the shards (training_step and backward inside loss_parallel())
+    "tp2_zero3_sp_vocab_loss": {
+        "tp": 2, "zero_stage": 3, "sequence_parallel": True, "vocab_parallel": True, "loss_parallel": True
+    },
 }
+# The multi-chunk schedules inside a Trainer: a 4-block model (2 chunks per rank of 1 block each), against the same
+# 4-block model in one process.
+SCHEDULE_CASES = {
+    "pp2_interleaved_1f1b": {"pp": 2, "zero_stage": 1, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2,
+                             "microbatches": 2},
+    "pp2_zero_bubble": {"pp": 2, "zero_stage": 1, "pp_schedule": "zero_bubble", "virtual_stages": 2,
+                        "microbatches": 2},
+}  # fmt: skip
 # fp16 with dynamic loss scaling (Lightning's CPU "16-mixed" turns into bf16 without a scaler; the DeepSpeed-style
 # config builds MixedPrecision("16-mixed") with a GradScaler). The pipeline back-propagates loss * scale itself; the
 # reference is the same run without PP (Lightning's own scaler.scale(loss).backward()). No clipping and plain SGD, so
@@ -63,6 +76,8 @@ def _fit(
     accumulate: int = 1,
     precision: str = "32-true",
     dtypes: set[str] | None = None,
+    layers: int = 2,
+    layouts: dict | None = None,
 ) -> list[float]:
     import lightning as L
 
@@ -79,6 +94,16 @@ def _fit(
                 for m in pl_module.modules():
                     if isinstance(m, torch.nn.Linear):
                         m.register_forward_hook(lambda _m, _i, out: dtypes.add(str(out.dtype)))
+
+            if layouts is not None:  # how the embedding, the norms and the logits are really laid out on tp
+                model = pl_module.model
+                layouts["embedding"] = str(model.tok_embeddings.weight.placements)
+                model.output.register_forward_hook(
+                    lambda _m, _i, out: layouts.__setitem__("logits", str(getattr(out, "placements", "plain")))
+                )
+                model.norm.register_forward_hook(
+                    lambda _m, _i, out: layouts.__setitem__("norm_out", str(getattr(out, "placements", "plain")))
+                )
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             if norms is not None:  # runs before Lightning clips: the unclipped global norm (1 process: plain grads)
@@ -98,7 +123,7 @@ def _fit(
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR)
 
-    trainer.fit(SGDLM(model="tiny", model_overrides={"layers": 2}), _data())
+    trainer.fit(SGDLM(model="tiny", model_overrides={"layers": layers}), _data())
     return losses
 
 
@@ -109,7 +134,10 @@ def _worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     from lightning_v17.strategies import V17Strategy
 
-    out = {name: _fit(V17Strategy(**kw), 2) for name, kw in CASES.items()}
+    out = {name: _fit(V17Strategy(**kw), 2) for name, kw in CASES.items() if name != "tp2_zero3_sp_vocab_loss"}
+    out["layouts"] = {}
+    out["tp2_zero3_sp_vocab_loss"] = _fit(V17Strategy(**CASES["tp2_zero3_sp_vocab_loss"]), 2, layouts=out["layouts"])
+    out.update({name: _fit(V17Strategy(**kw), 2, layers=4) for name, kw in SCHEDULE_CASES.items()})
     for name, kw in FP16_CASES.items():
         out[name] = _fit(V17Strategy(**kw, config=FP16), 2, clip=None)
     out["pp2_zero1_accumulate2"] = _fit(V17Strategy(**CASES["pp2_zero1"]), 2, clip=None, accumulate=2)
@@ -147,6 +175,29 @@ def test_tp_pp_with_clipping_match_single_process(results: list[dict], reference
 
 
 @pytest.mark.timeout(400)
+def test_sp_vocab_loss_parallel_options_shard_what_they_name(results: list[dict]) -> None:
+    """Equal losses alone would not show the options were applied; the layouts do (mesh axes: dp_shard, tp)."""
+    for res in results:
+        lay = res["layouts"]
+        assert lay["embedding"].endswith("Shard(dim=0))"), lay  # vocab-parallel: rows of the table split on tp
+        assert lay["logits"] == "(Shard(dim=2),)", lay  # loss-parallel: [B, S, V] logits stay split on the vocab
+        assert lay["norm_out"] == "(Shard(dim=1),)", lay  # sequence-parallel: the final norm runs on sequence shards
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(SCHEDULE_CASES))
+def test_multi_chunk_schedules_in_a_trainer_match_single_process(results: list[dict], name: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    norms: list[float] = []
+    want = _fit("auto", 1, norms, layers=4)
+    assert min(norms) > 2 * CLIP, norms  # clipping active at every step here too
+    for res in results:
+        assert res[name] == pytest.approx(want, rel=1e-5), (name, res[name], want)
+
+
+@pytest.mark.timeout(400)
 def test_fp16_loss_scaling_through_the_pipeline(results: list[dict]) -> None:
     for res in results:
         got, want = res["fp16_pp2_zero1"], res["fp16_dp2_zero1"]
@@ -181,11 +232,14 @@ def test_strategy_errors_name_the_option_and_the_fix() -> None:
     with pytest.raises(V17ConfigError, match=r"8 pipeline stages but the model has only 4 blocks.*lower pp"):
         policy = PipelinePolicy(schedule="interleaved_1f1b", virtual_stages=2)
         split_model(lm, layout=model_pipeline_layout(lm), pp_rank=0, pp=4, policy=policy)
-    for option in ({"sequence_parallel": True}, {"tp_plan": {"model.x": "colwise"}}):  # accepted but unusable
+    for option in ({"sequence_parallel": True}, {"tp_plan": {"model.x": "colwise"}}, {"vocab_parallel": True},
+                   {"loss_parallel": True}):  # accepted but unusable  # fmt: skip
         with pytest.raises(V17ConfigError, match="applies only with tp > 1"):
             V17Strategy(**option)
     with pytest.raises(V17ConfigError, match="applies only with pp > 1"):
         V17Strategy(pp_split_points=["model.layers.2"])
+    with pytest.raises(V17ConfigError, match=r"loss_parallel=True with pp=2 is not supported.*use loss_parallel with pp=1"):
+        V17Strategy(pp=2, tp=2, zero_stage=1, loss_parallel=True)
 
 
 @pytest.mark.timeout(400)
