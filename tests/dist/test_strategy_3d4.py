@@ -1,5 +1,7 @@
 """V17Strategy with two parallel axes at once, inside a Lightning Trainer on 4 gloo ranks: tp=2 x dp=2 (ZeRO-3,
-FSDP2 over dp plus TP), pp=2 x dp=2 (ZeRO-1) and pp=2 x tp=2, with global-norm clipping, against a 1-process
+FSDP2 over dp plus TP), pp=2 x dp=2 (ZeRO-1) and pp=2 x tp=2; and with three axes on 8 ranks (2 cores are enough
+for the tiny model): pp=2 x dp=2 x tp=2 (ZeRO-1) and HSDP x TP (dp_replicate=2 x dp_shard=2 x tp=2, ZeRO-3); all
+with global-norm clipping, against a 1-process
 Lightning run of the same LlamaLM, data order and seed (``test_strategy_tp_pp._fit``; the engine-level 4-rank cases
 are in ``test_pp_3d.py``).
 
@@ -28,6 +30,12 @@ CASES4 = {
 }
 
 
+CASES8 = {
+    "pp2_dp2_tp2_zero1": {"pp": 2, "dp_shard": 2, "tp": 2, "zero_stage": 1, "microbatches": 2},
+    "hsdp2x2_tp2_zero3": {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "zero_stage": 3},
+}
+
+
 def _worker(rank: int, world_size: int) -> dict:
     import warnings
 
@@ -35,12 +43,22 @@ def _worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     from lightning_v17.strategies import V17Strategy
 
-    return {name: _fit(V17Strategy(**kw), 4, clip=CLIP) for name, kw in CASES4.items()}
+    out = {}
+    for name, kw in (CASES4 if world_size == 4 else CASES8).items():
+        strategy = V17Strategy(**kw)
+        out[name] = _fit(strategy, world_size, clip=CLIP)
+        out[name + "_mesh"] = repr(strategy.mesh.spec)  # the axes the run really had
+    return out
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return spawn(_worker, world_size=4, timeout=400, init_process_group=False)
+
+
+@pytest.fixture(scope="module")
+def results8() -> list[dict]:
+    return spawn(_worker, world_size=8, timeout=600, init_process_group=False)
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +79,14 @@ def test_two_axes_in_a_trainer_match_single_process(results: list[dict], referen
     assert len(reference) == STEPS
     for res in results:
         assert res[name] == pytest.approx(reference, rel=1e-5), (name, res[name], reference)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("name", list(CASES8))
+def test_three_axes_on_8_ranks_match_single_process(results8: list[dict], reference: list[float], name: str) -> None:
+    assert len(reference) == STEPS and len(results8) == 8
+    for res in results8:
+        spec = res[name + "_mesh"]
+        assert all(f"{axis}={size}" in spec for axis, size in CASES8[name].items() if axis != "zero_stage" and
+                   axis != "microbatches"), spec  # fmt: skip
+        assert res[name] == pytest.approx(reference, rel=1e-5), (name, res[name], reference, spec)
