@@ -2,8 +2,8 @@
 written; ``fit(ckpt_path="last")`` resumes from the second (the newest COMPLETE) save and the losses from there are
 bit-identical (==, no tolerance) to the run that was not interrupted before those steps.
 
-The strategy is Lightning's "ddp" (full tensors, the torch.distributed.checkpoint.state_dict FQN layout); the same
-callback drives V17Strategy through engine/zero.py. Dropout, AdamW state, a step LR scheduler and a shuffled
+The strategy is Lightning's "ddp" (full tensors, the torch.distributed.checkpoint.state_dict FQN layout) and
+V17Strategy(zero_stage=3) (DTensor shards through engine/zero.py), each killed the same way. Dropout, AdamW state, a step LR scheduler and a shuffled
 DistributedSampler make every piece of the saved state (model, optimizer, scheduler, loops, RNG of each rank) matter.
 """
 
@@ -54,9 +54,11 @@ def _make_module():
     return Tiny
 
 
-def _run(rank: int, world: int, root: str, phase: str) -> dict:
+def _run(rank: int, world: int, root: str, phase: str, strategy: str = "ddp") -> dict:
     import lightning as L
     from lightning_v17.callbacks import AsyncCheckpoint
+
+    from lightning_v17 import V17Strategy
 
     torch.set_num_threads(1)
     root_p = Path(root)
@@ -76,7 +78,7 @@ def _run(rank: int, world: int, root: str, phase: str) -> dict:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy="ddp",
+        strategy=V17Strategy(zero_stage=3) if strategy == "v17_zero3" else strategy,
         max_steps=STEPS,
         callbacks=callbacks,
         logger=False,
@@ -127,12 +129,15 @@ def _launch(fn, world: int, args: tuple, timeout: float) -> tuple[dict[int, obje
 
 
 @pytest.mark.timeout(280)
-def test_async_checkpoint_sigkill_resume_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy", ["ddp", "v17_zero3"])
+def test_async_checkpoint_sigkill_resume_exact(tmp_path, monkeypatch, strategy):
+    """Under Lightning's "ddp" and under V17Strategy(zero_stage=3) (DTensor shards, FQN-keyed sharded optimizer
+    state): SIGKILL mid-save, then resume from the newest complete save, bit-exact."""
     from lightning_v17.engine.checkpoint import is_sharded_checkpoint
     from lightning_v17.engine.checkpoint_async import TEST_DELAY_ENV, resolve_latest
 
     monkeypatch.setenv(TEST_DELAY_ENV, "1.5")  # test-only: every rank's background write takes >= 1.5 s
-    first, first_err = _launch(_run, 2, (str(tmp_path), "first"), timeout=150)
+    first, first_err = _launch(_run, 2, (str(tmp_path), "first", strategy), timeout=150)
     assert (tmp_path / "killed").exists(), f"rank 1 was not killed during the third save; {first} {first_err}"
     assert not first, "no rank may finish the killed run"
     ck = tmp_path / "ckpt"
@@ -142,7 +147,7 @@ def test_async_checkpoint_sigkill_resume_exact(tmp_path, monkeypatch):
     assert is_sharded_checkpoint(ck / f"step-{EVERY:08d}") and is_sharded_checkpoint(ck / f"step-{2 * EVERY:08d}")
 
     monkeypatch.setenv(TEST_DELAY_ENV, "0")
-    second, second_err = _launch(_run, 2, (str(tmp_path), "resume"), timeout=150)
+    second, second_err = _launch(_run, 2, (str(tmp_path), "resume", strategy), timeout=150)
     assert not second_err and sorted(second) == [0, 1], f"the resumed run failed: {second_err}"
     assert second[0]["global_step"] == STEPS
 
