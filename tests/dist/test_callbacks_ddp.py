@@ -248,7 +248,13 @@ def _monitor_run(rank: int) -> dict:
     }
 
 
-def _straggler_run(rank: int) -> dict:
+def _v17_zero3():
+    from lightning_v17 import V17Strategy
+
+    return V17Strategy(zero_stage=3)
+
+
+def _straggler_run(rank: int, strategy: object = "ddp") -> dict:
     """Run E: rank 1 sleeps 50 ms per batch (test-only knob); action="raise" must fire in window `patience`."""
     from lightning_v17.callbacks import StragglerDetected, StragglerDetector
     from lightning_v17.callbacks.straggler import TEST_SLEEP_ENV
@@ -257,7 +263,7 @@ def _straggler_run(rank: int) -> dict:
     try:
         strag = StragglerDetector(every_n_steps=5, patience=2, action="raise", warmup_steps=2)
         rec = _recorder()
-        trainer = _trainer([strag, rec], max_steps=40, precision="32-true")
+        trainer = _trainer([strag, rec], max_steps=40, precision="32-true", strategy=strategy)
         try:
             trainer.fit(_make_module())
             return {"raised": None}
@@ -283,6 +289,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
         "loss_scaling": _loss_scaling_runs(rank, tmp),
         "monitors": _monitor_run(rank),
         "straggler": _straggler_run(rank),
+        "straggler_v17": _straggler_run(rank, _v17_zero3()),
     }
 
 
@@ -409,9 +416,11 @@ def test_straggler_balanced_run_flags_nobody(results):
         print(f"balanced run: max ratio to the other rank {m['straggler_max_ratio']:.2f} (threshold 1.2)")
 
 
-def test_straggler_injected_sleep_flagged_within_patience(results):
+@pytest.mark.parametrize("run", ["straggler", "straggler_v17"])
+def test_straggler_injected_sleep_flagged_within_patience(results, run):
+    """Under Lightning's "ddp" and under V17Strategy(zero_stage=3)."""
     for rank, res in enumerate(results):
-        st = res["straggler"]
+        st = res[run]
         assert st["raised"] == [1], st  # both ranks raise together: same gathered data, same decision
         assert st["window"] == 2, st  # patience=2: flagged in the 2nd window, not later
         assert st["batches"] == 2 + 2 * 5, st  # 2 warm-up batches + 2 windows of 5
