@@ -25,7 +25,10 @@ try:
     cases = {c.get("name"): ("skipped" if c.find("skipped") is not None else
                              "failed" if c.find("failure") is not None or c.find("error") is not None else "passed")
              for c in suite.iter("testcase")}
+    # measured figures the tests record (MFU, tokens/s, peak source): record_property -> <properties> in the XML
+    measured = {p.get("name"): p.get("value") for c in suite.iter("testcase") for p in c.iter("property")}
 except Exception as e:  # noqa: BLE001
-    summary, cases = {"error": repr(e)}, {}
-print(json.dumps({"gpu_check": summary, "cases": cases, "pytest_rc": rc, "seconds": int(time.time()) - start}))
+    summary, cases, measured = {"error": repr(e)}, {}, {}
+print(json.dumps({"gpu_check": summary, "cases": cases, "measured": measured, "pytest_rc": rc,
+                  "seconds": int(time.time()) - start}))
 PY

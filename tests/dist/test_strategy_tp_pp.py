@@ -78,6 +78,7 @@ def _fit(
     dtypes: set[str] | None = None,
     layers: int = 2,
     layouts: dict | None = None,
+    accelerator: str = "cpu",
 ) -> list[float]:
     import lightning as L
 
@@ -111,7 +112,7 @@ def _fit(
                 norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, gradient_clip_val=clip,
+        accelerator=accelerator, devices=devices, strategy=strategy, max_steps=STEPS, gradient_clip_val=clip,
         accumulate_grad_batches=accumulate, precision=precision,
         use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[Rec()],

@@ -145,6 +145,72 @@ def test_llama_bf16_mfu_on_gpu(record_property):
     assert 0 < mfu <= 1.0
 
 
+def test_v17_zero3_one_gpu_bf16_mfu(record_property):
+    """V17Strategy(zero_stage=3) on one GPU inside a Lightning Trainer, bf16-mixed, the reference LlamaLM at ~100M
+    parameters: the ThroughputMonitor's MFU against the planner's bf16 peak for this GPU (warm-up excluded)."""
+    import lightning as L
+    from lightning_v17.callbacks import ThroughputMonitor
+
+    from lightning_v17 import V17Strategy
+    from lightning_v17.models import LlamaLM
+
+    B, S, steps = 8, 2048, 14
+    overrides = {"vocab_size": 32000, "hidden": 768, "layers": 12, "heads": 12, "kv_heads": 12, "ffn": 2048,
+                 "max_seq_len": S}  # fmt: skip
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return B * steps
+
+        def __getitem__(self, i: int) -> dict:
+            ids = torch.randint(0, 32000, (S + 1,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids[:-1], "labels": ids[1:]}
+
+    tput = ThroughputMonitor(log_every_n_steps=5)
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, strategy=V17Strategy(zero_stage=3), precision="bf16-mixed", max_steps=steps,
+        callbacks=[tput], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(LlamaLM(model="tiny", model_overrides=overrides, warmup_steps=0), torch.utils.data.DataLoader(
+        Tokens(), batch_size=B))  # fmt: skip
+    last = tput.last
+    assert last is not None, "no ThroughputMonitor window completed"
+    record_property("v17_zero3_mfu", round(last.mfu, 4))
+    record_property("v17_zero3_tokens_per_s", round(last.tokens_per_s))
+    record_property("v17_zero3_peak_source", str(tput.peak_source))
+    print(f"V17 ZeRO-3 1 GPU bf16: tokens/s={last.tokens_per_s:.0f} MFU={last.mfu:.3f} peak={tput.peak_source}")
+    assert 0 < last.mfu <= 1.0
+
+
+def _v17_nccl_worker(rank: int, world_size: int) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from lightning_v17.strategies import V17Strategy
+
+    from tests.dist.test_strategy_tp_pp import _fit
+
+    cases = {"zero3": {"zero_stage": 3}, "tp2_zero3": {"tp": 2, "zero_stage": 3},
+             "pp2_zero1": {"pp": 2, "zero_stage": 1, "microbatches": 2}}  # fmt: skip
+    return {name: _fit(V17Strategy(**kw), 2, accelerator="gpu") for name, kw in cases.items()}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL between two ranks)")
+def test_v17_two_gpu_nccl_parity():
+    """V17Strategy on 2 GPUs over NCCL (ZeRO-3, tp=2, pp=2) against the 1-GPU run of the same model, data and seed
+    (``tests/dist/test_strategy_tp_pp._fit``, clipping on every step). fp32 (TF32 off, torch's default for matmuls):
+    1e-4 relative, looser than the CPU 1e-5 for the GPU's reduction orders."""
+    from tests._dist import spawn
+    from tests.dist.test_strategy_tp_pp import _fit
+
+    want = _fit("auto", 1, accelerator="gpu")
+    results = spawn(_v17_nccl_worker, world_size=2, timeout=400, init_process_group=False)
+    for res in results:
+        for name, got in res.items():
+            assert got == pytest.approx(want, rel=1e-4), (name, got, want)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="transformer-engine not installed")
 def test_transformer_engine_fp8_linear_trains():
     """Transformer Engine's FP8 Linear runs forward+backward under fp8_autocast (Hopper: e4m3 fwd / e5m2 bwd)."""
