@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_v17.config import MeshSpec, OffloadPolicy, PipelinePolicy, V17ConfigError, ZeroPolicy
 from lightning_v17.engine import fsdp as fsdp_engine
 from lightning_v17.engine import state_dict as state_engine
+from lightning_v17.engine.elastic import elastic_attempt, init_elastic_process_group
 from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize
 from lightning_v17.engine.zero_backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
@@ -268,7 +269,13 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if elastic_attempt() is not None and not torch.distributed.is_initialized():
+            # torchrun: every restart attempt shares the agent's store; keep each attempt's keys apart
+            init_elastic_process_group(
+                self._process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs
+            )
+        else:
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         spec = self.resolve_mesh(self.world_size)
         self._mesh = MeshRuntime(spec, build_device_mesh(spec, device_type=self.root_device.type))
         _precision.apply_config_precision(self)

@@ -1,0 +1,88 @@
+"""Plain ``torchrun --max-restarts 1`` restarts of a V17 ZeRO-3 job, N consecutive tries (issue "fault tolerance",
+acceptance: 10 of 10 resume and finish bit-exact), with the kill-to-first-step time split into its parts.
+
+Each try launches ``torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m tests.dist._torchrun_job`` with
+rank 1 hard-exiting after step 10; the restarted attempt resumes from the newest complete async checkpoint. Its
+losses are compared (==) with one uninterrupted launch of the same job. The events every rank writes give the split:
+
+* ``detect_restart_s``: the kill until the restarted worker process starts (the agent notices the dead worker,
+  stops the other one, re-runs its rendezvous and spawns new workers: torchrun's business, not ours);
+* ``python_imports_s``: interpreter start and ``import torch, lightning, lightning_v17`` (outside our control);
+* ``group_form_s``: Trainer construction and the process group forming on the per-attempt store prefix;
+* ``load_s``: model set-up, sharding and the checkpoint restore;
+* ``first_step_s``: the first training step after the restore.
+
+Prints one JSON object. ``python bench/fault.py --tries 10`` (about 7 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.dist.test_torchrun_restart import events, losses, run_job
+
+PARTS = ("detect_restart_s", "python_imports_s", "group_form_s", "load_s", "first_step_s")
+MEDIANS = (*PARTS, "kill_to_first_step_s", "excluding_python_imports_s")
+
+
+def split(ev: list[dict]) -> dict[str, float]:
+    """The restart timeline of one try from the ranks' events (the latest rank decides each milestone)."""
+    kill = min(e["t"] for e in ev if e["what"] == "kill")
+
+    def at(what: str) -> float:
+        return max(e["t"] for e in ev if e["what"] == what and e.get("attempt") == 1)
+
+    marks = [kill, at("start"), at("imported"), at("group_formed"), at("loaded"), at("first_step")]
+    out = {name: round(b - a, 3) for name, a, b in zip(PARTS, marks, marks[1:])}
+    out["kill_to_first_step_s"] = round(marks[-1] - kill, 3)
+    out["excluding_python_imports_s"] = round(out["kill_to_first_step_s"] - out["python_imports_s"], 3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tries", type=int, default=10)
+    parser.add_argument("--kill-at", type=int, default=10)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="v17_fault_"))
+    ref = run_job(tmp / "ref")
+    if ref.returncode != 0:
+        raise SystemExit(f"the uninterrupted reference run failed:\n{ref.stdout[-3000:]}")
+    want = losses(tmp / "ref" / "losses-0.jsonl")
+    tries = []
+    for i in range(args.tries):
+        root = tmp / f"try{i}"
+        t0 = time.perf_counter()
+        proc = run_job(root, kill_at=args.kill_at, max_restarts=1, timeout=240)
+        got = losses(root / "losses-1.jsonl")
+        row = {"try": i, "rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
+               "resumed_steps": sorted(got)}  # fmt: skip
+        row["bit_exact"] = bool(got) and max(got) == max(want) and all(got[s] == want[s] for s in got)
+        row["ok"] = proc.returncode == 0 and row["bit_exact"] and min(got) > 1
+        if row["ok"]:
+            row.update(split(events(root)))
+        else:
+            row["tail"] = proc.stdout[-1500:]
+        tries.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "tail"}), file=sys.stderr, flush=True)
+    good = [t for t in tries if t["ok"]]
+    summary = {
+        "benchmark": "torchrun_restart",
+        "tries": len(tries),
+        "ok": len(good),
+        "median": {k: round(statistics.median(t[k] for t in good), 3) for k in MEDIANS} if good else None,
+        "failures": [{k: t[k] for k in ("try", "rc", "tail")} for t in tries if not t["ok"]],
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

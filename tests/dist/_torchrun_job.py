@@ -1,0 +1,74 @@
+"""A V17Strategy(zero_stage=3) job for the torchrun restart checks (``tests/dist/test_torchrun_restart.py`` and
+``bench/fault.py``). Launched as ``torchrun --standalone --nproc-per-node 2 [--max-restarts 1] -m
+tests.dist._torchrun_job ROOT [--kill-at K]``.
+
+Async sharded checkpoints every 4 steps (an epoch: 16 samples per rank, batch 4) and ``ckpt_path="last"`` on every
+start. With ``--kill-at K``, rank 1 of the first attempt hard-exits (``os._exit(1)``, no cleanup) after step K; the
+agent restarts both workers, which resume from the newest complete checkpoint. Rank 0 appends every step's loss to
+``ROOT/losses-<attempt>.jsonl``; every rank appends its timeline (start, imported, group_formed, loaded, first_step,
+kill, end; wall-clock seconds) to ``ROOT/events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+STEPS, EVERY = 12, 4
+
+
+def _event(root: Path, **fields) -> None:
+    with open(root / "events.jsonl", "a") as f:
+        f.write(json.dumps({"t": time.time(), "rank": int(os.environ.get("RANK", "0")), **fields}) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--kill-at", type=int, default=0)
+    args = parser.parse_args()
+    root = Path(args.root)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    _event(root, what="start", attempt=attempt)
+
+    import lightning as L
+    from lightning_v17.callbacks import AsyncCheckpoint
+
+    from lightning_v17 import V17Strategy
+    from tests.dist.test_checkpoint_async import _make_module
+
+    _event(root, what="imported", attempt=attempt)
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+
+    class Timeline(L.Callback):
+        def setup(self, trainer, pl_module, stage):  # after setup_environment: the process group has formed
+            _event(root, what="group_formed", attempt=attempt)
+
+        def on_train_start(self, trainer, pl_module):  # after the model is sharded and the checkpoint restored
+            _event(root, what="loaded", attempt=attempt, step=trainer.global_step)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if not getattr(self, "_first", False):
+                self._first = True
+                _event(root, what="first_step", attempt=attempt, step=trainer.global_step)
+            if args.kill_at and attempt == 0 and trainer.global_rank == 1 and trainer.global_step == args.kill_at:
+                _event(root, what="kill", attempt=attempt, step=trainer.global_step)
+                os._exit(1)
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=V17Strategy(zero_stage=3), max_steps=STEPS,
+        callbacks=[AsyncCheckpoint(root / "ckpt", every_n_steps=EVERY, keep_last=3), Timeline()],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(_make_module()(str(root / f"losses-{attempt}.jsonl")), ckpt_path="last")
+    _event(root, what="end", attempt=attempt, step=trainer.global_step)
+
+
+if __name__ == "__main__":
+    main()
