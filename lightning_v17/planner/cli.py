@@ -10,6 +10,7 @@ Examples::
     v17 plan --params 7.5e9 --dp 64 --zero-stage 3            # ZeRO Fig. 1, model state only
     v17 plan --model llama3-8b --gpus 8 --tp 2 --max-model    # deepest model of this width that fits
     v17 plan --model tiny --gpu cpu --gpus 2 --emit-config run.yaml   # then: v17 fit --config run.yaml
+    v17 plan --model llama3-70b --gpus 512 --plot plan.png     # needs the plot extra (matplotlib)
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--emit-config", metavar="PATH",
                    help="also write the plan as a Lightning CLI YAML (V17Strategy, trainer, model, data) that "
                         "`v17 fit --config PATH` runs; a comment records this command")
+    o.add_argument("--plot", metavar="PATH",
+                   help="also draw the plan as a PNG: per-rank memory by bucket and tier, and bytes per collective "
+                        "(needs matplotlib: pip install 'lightning-v17[plot]')")
     return p
 
 
@@ -213,9 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             from lightning_v17.planner.emit import write_config
 
             written = write_config(args.emit_config, plan, command=shlex.join(argv))
+        if args.plot is not None:
+            from lightning_v17.planner.plot import write_plot  # matplotlib is imported only now, and only if asked
+
+            plotted = write_plot(plan, args.plot)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    except (_UsageError, ValueError, OSError) as exc:
+    except (_UsageError, ValueError, OSError, ImportError) as exc:  # ImportError: --plot without matplotlib
         message = " ".join(str(exc).split())
         print(f"v17 plan: error: {message}", file=sys.stderr)
         return 2
@@ -229,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = None  # type: ignore[assignment]  # keep the interpreter from flushing to the closed pipe
     if args.emit_config is not None:  # on stderr, so that --json output stays one JSON object
         print(f"v17 plan: wrote {written}; run it with: v17 fit --config {shlex.quote(str(written))}", file=sys.stderr)
+    if args.plot is not None:
+        print(f"v17 plan: wrote {plotted}", file=sys.stderr)
     return 0
 
 

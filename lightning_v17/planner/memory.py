@@ -1,4 +1,4 @@
-"""Per-rank memory: model state (ZeRO), activations (Korthikanti), temporary buffers.
+"""Per-rank memory: model state (ZeRO), activations (Korthikanti; counted term by term for llama), temp buffers.
 
 Torch-free. Every function has its units in its name and its source in its docstring. Bytes are per rank.
 
@@ -13,9 +13,12 @@ import math
 from dataclasses import dataclass
 
 from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, ZeroPolicy
+from lightning_v17.planner.model import Arch, ModelShape
 
 #: Activation element size in bytes behind Korthikanti 2022 Table 2 (16-bit activations, 1-byte dropout masks).
 ACT_ELEMENT_BYTES_16BIT = 2
+#: Bytes of an fp32 element: RMSNorm statistics, RoPE tables and the attention log-sum-exp are fp32 in any precision.
+FP32_BYTES = 4
 
 
 def param_bytes_per_param(precision: Precision) -> float:
@@ -155,9 +158,11 @@ def activation_bytes_per_layer(
     The constants come from §4.1's count with 16-bit activations and 1-byte dropout masks: 34 = 16 elements × 2 B
     + 2 masks; 10 = 4 replicated elements × 2 B + 2 masks; 24 = 12 TP-sharded elements × 2 B; 5 = 2 score
     elements × 2 B + 1 mask. ``element_bytes`` = 4 (fp32 training) rescales the elements, not the masks. The
-    count is derived for a GPT block (MHA, 4h GeLU MLP, dropout); for llama blocks it is the usual estimate. The
-    5as/h term is the attention score matrix: selective recompute (and FlashAttention) removes it. Context
-    parallelism (cp) splits the queries: the leading s becomes s/cp, the s inside 5as/h stays.
+    count is derived for a GPT block (LayerNorm, MHA, 4h GeLU MLP, dropout, materialized scores); the planner uses
+    it as published for ``gpt`` shapes, and :func:`llama_activation_bytes_per_layer`, the same count redone for our
+    llama blocks, for ``llama`` ones (:func:`activation_bytes_per_layer_of` picks). The 5as/h term is the attention
+    score matrix: selective recompute (and FlashAttention) removes it. Context parallelism (cp) splits the queries:
+    the leading s becomes s/cp, the s inside 5as/h stays.
 
     Args:
         seq: sequence length s (tokens per sample).
@@ -183,6 +188,122 @@ def activation_bytes_per_layer(
     else:
         per_sbh = replicated + (sharded + scores) / tp
     return math.ceil(sbh * per_sbh)
+
+
+def llama_activation_bytes_per_layer(
+    *,
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: Recompute = Recompute.NONE,
+    cp: int = 1,
+    element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
+) -> int:
+    """Activation bytes one block of the reference Llama keeps for backward, per rank, for one micro-batch.
+
+    Source: Korthikanti 2022 (Reducing Activation Recomputation) Table 2 and its §4.1 count, redone term by term for
+    ``lightning_v17.models.llama`` (pre-norm RMSNorm computed in fp32, RoPE, GQA, fused SDPA / FlashAttention,
+    SwiGLU, no dropout) and for what autograd and ``engine/recompute.py`` really save. Per token, with e =
+    ``element_bytes``, h = hidden, kv = kv_heads·head_dim, f = ffn, a = heads, D = head_dim, t = tp:
+
+    ===========================================  =====================  ================================================
+    Korthikanti §4.1 term (GPT block, 16-bit)    bytes/token in paper   here (llama block)
+    ===========================================  =====================  ================================================
+    2 LayerNorm inputs                           4h                     2·(8h + 4): RMSNorm upcasts to fp32 and keeps
+                                                                        x (4h), x·rsqrt (4h), rsqrt (4)
+    QKV input; MLP input                         2h + 2h                2·e·h: the two norm outputs the matmuls save
+    Q, K (for QKᵀ); V                            4h + 2h                e·h + 2·e·kv: rotated Q, rotated K, V (GQA: K
+                                                                        and V are kv wide, not h)
+    softmax out 2as, its dropout mask as,        5as                    4a: the fused kernel keeps the fp32 log-sum-exp
+    dropout out 2as                                                     only, no a·s² scores (Dao 2022); no dropout
+    attention output (input of out-proj)         2h                     e·h (the SDPA output, saved once)
+    RoPE (absent in GPT)                         -                      4D: fp32 cos and sin, D/2 each
+    GeLU input 8h, fc2 input 8h                  16h                    4·e·f: w1 x, silu(w1 x), w3 x, their product
+                                                                        (SwiGLU, f wide; GPT's 4h GeLU has 2 tensors)
+    2 dropout masks (attention out, MLP out)     2h                     0 (dropout is 0: no masks)
+    ===========================================  =====================  ================================================
+
+    So recompute ``none`` keeps (16 + 4e)h + 2e·kv + 4e·f + 4a + 4D + 8 bytes per token: 24h + 4kv + 8f + ... in
+    bf16, 32h + 8kv + 16f + ... in fp32. Under TP the head- and f-sharded terms (Q, K, V, SDPA output, log-sum-exp,
+    SwiGLU) divide by t and the rest stays (Table 2 row 2); with SP the RMSNorm's own fp32 tensors divide by t too
+    (row 3), but the norm output e·h stays whole: the column-parallel matmul saves the all-gathered input (DTensor
+    SP, as in torchtitan), where Megatron stores only its 1/t and gathers again in backward (§4.2.2).
+
+    ``selective`` (``engine/recompute.py``: Korthikanti's selective recomputation through PyTorch's selective
+    checkpointing) keeps the block input (e·h, /t with SP) and the outputs of every matmul and of SDPA: Q e·h/t, K
+    and V e·kv/t each, the SDPA output e·h/t with its log-sum-exp 4a/t, w1 and w3 outputs e·f/t each, and the
+    out-projection and w2 outputs, e·h each (whole under TP: the partial sums before the all-reduce /
+    reduce-scatter). So 5e·h + 2e·kv + 2e·f + 4a per token at t = 1, against Table 2's 34h. ``full`` keeps the
+    block input only: e·h, /t with SP, as Table 2's last row (2sbh in 16-bit).
+
+    Context parallelism splits the queries: every term is per local token, s/cp (none is a·s²).
+
+    Held against a run by ``tests/unit/test_activation_bytes.py`` (tp = 1) and ``bench/activations.py`` (tp = 1, and
+    ``--tp 2`` on gloo ranks with and without SP), fp32 and bf16, to within 0.3%. Not counted: bf16-mixed under
+    autocast (ZeRO 0-2) keeps an fp32 residual stream and bf16 weight copies; the CPU varlen path (packed documents)
+    adds one e·h copy (``torch.cat`` of the per-document outputs); the fp32 copies of the two norm weights (8h
+    bytes per block in 16-bit).
+
+    Args:
+        seq: sequence length s (tokens per sample).
+        micro_batch: micro-batch size b (samples).
+        hidden: h.
+        heads: query heads a.
+        kv_heads: key/value heads (GQA).
+        ffn: SwiGLU inner width f.
+        tp: tensor-parallel size t.
+        sp: sequence parallelism on (only meaningful with tp > 1).
+        recompute: none, selective or full.
+        cp: context-parallel size.
+        element_bytes: bytes per activation element (2 for 16-bit training, 4 for fp32).
+    """
+    recompute = Recompute.parse(recompute, "recompute")
+    e, f32 = element_bytes, FP32_BYTES
+    head_dim = hidden // heads
+    kv = kv_heads * head_dim
+    tokens = (seq / cp) * micro_batch
+    t_seq = tp if sp else 1  # what sequence parallelism shards: the residual stream and the norms
+    block_input = e * hidden / t_seq
+    if recompute == Recompute.FULL:
+        return math.ceil(tokens * block_input)
+    if recompute == Recompute.SELECTIVE:
+        sharded = e * (2 * hidden + 2 * kv + 2 * ffn) + f32 * heads  # Q, SDPA out, K, V, w1, w3; log-sum-exp
+        whole = 2 * e * hidden  # out-projection and w2 matmul outputs (partial sums under TP)
+        return math.ceil(tokens * (block_input + whole + sharded / tp))
+    norms = 2 * ((2 * f32 * hidden + f32) / t_seq + e * hidden)  # fp32 x, x·rsqrt, rsqrt; the bf16/fp32 output
+    rope = f32 * head_dim  # cos and sin, D/2 fp32 each
+    sharded = e * (2 * hidden + 2 * kv) + f32 * heads + 4 * e * ffn  # Q, SDPA out, K, V; log-sum-exp; SwiGLU
+    return math.ceil(tokens * (norms + rope + sharded / tp))
+
+
+def activation_bytes_per_layer_of(
+    shape: ModelShape,
+    *,
+    seq: int,
+    micro_batch: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: Recompute = Recompute.NONE,
+    cp: int = 1,
+    element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
+) -> int:
+    """Activation bytes per block for ``shape``, per rank, for one micro-batch: the count that fits its family.
+
+    ``llama`` (the reference model): :func:`llama_activation_bytes_per_layer`, Korthikanti 2022 Table 2 redone term
+    by term for RMSNorm, RoPE, GQA, fused attention and SwiGLU, and held against a run. ``gpt``: Korthikanti 2022
+    Table 2 as published (:func:`activation_bytes_per_layer`): the block it was derived for (LayerNorm, MHA with
+    materialized a·s² scores and dropout, 4h GeLU MLP), so the paper's rows are reproduced as they are.
+    """
+    kwargs = {"seq": seq, "micro_batch": micro_batch, "hidden": shape.hidden, "heads": shape.heads, "tp": tp,
+              "sp": sp, "recompute": recompute, "cp": cp, "element_bytes": element_bytes}
+    if Arch.parse(shape.arch) == Arch.LLAMA:
+        return llama_activation_bytes_per_layer(kv_heads=shape.kv_heads, ffn=shape.ffn, **kwargs)
+    return activation_bytes_per_layer(**kwargs)
 
 
 def microbatches_in_flight(*, schedule: Schedule, pp: int, microbatches: int) -> int:
@@ -268,8 +389,10 @@ __all__ = [
     "ModelStateBytes",
     "activation_bytes_first_stage",
     "activation_bytes_per_layer",
+    "activation_bytes_per_layer_of",
     "grad_bucket_bytes",
     "grad_bytes_per_param",
+    "llama_activation_bytes_per_layer",
     "logits_bytes",
     "microbatches_in_flight",
     "model_state_bytes_per_rank",

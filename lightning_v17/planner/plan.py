@@ -287,9 +287,9 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
     element = 4 if lay.precision == Precision.FP32 else mem.ACT_ELEMENT_BYTES_16BIT
     per_layer = act = temp = 0
     if shape is not None:
-        per_layer = mem.activation_bytes_per_layer(
-            seq=lay.seq, micro_batch=lay.micro_batch, hidden=shape.hidden, heads=shape.heads, tp=lay.tp,
-            sp=lay.sp, recompute=lay.recompute, cp=lay.cp, element_bytes=element,
+        per_layer = mem.activation_bytes_per_layer_of(
+            shape, seq=lay.seq, micro_batch=lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
+            cp=lay.cp, element_bytes=element,
         )  # fmt: skip
         act = mem.activation_bytes_first_stage(
             per_layer, layers=shape.layers, pp=lay.pp, microbatches=lay.microbatches, schedule=lay.schedule,
