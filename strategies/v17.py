@@ -7,6 +7,7 @@ pipeline, precision and checkpoint glue live in ``_pipeline.py``, ``_precision.p
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -46,11 +47,15 @@ from lightning_v17.engine import fsdp as fsdp_engine
 from lightning_v17.engine import state_dict as state_engine
 from lightning_v17.engine.elastic import elastic_attempt, init_elastic_process_group
 from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize
+from lightning_v17.engine.watchdog import StepWatchdog
 from lightning_v17.engine.zero_backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+_RUNS = itertools.count()  # one watchdog key space per setup; every rank runs the same sequence of fits
+
 
 class V17Strategy(WorldCollectives, ParallelStrategy):
     """ZeRO-0/1/2/3 (and HSDP) x TP(+SP) x PP on a 5-axis device mesh, for any LightningModule, on CPU and GPU.
@@ -115,7 +120,14 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         checkpoint_io: unused for sharded checkpoints (kept for Lightning API compatibility).
         precision_plugin: Lightning precision plugin (normally set by the Trainer from ``precision=``).
         process_group_backend: "gloo" or "nccl"; None picks from the device.
-        timeout: collective timeout.
+        timeout: collective timeout (``init_process_group(timeout=)``; torch's default is 30 minutes).
+        hang_timeout: seconds a rank may go without progress (no training/validation step, backward or optimizer step
+            starting or ending) before the watchdog ends it with exit code 3, printing which rank waits in which
+            collective at which step and which ranks are not inside a collective (the likely culprits), and
+            dumping the Flight Recorder trace where torch keeps one (NCCL); an elastic launcher then restarts the
+            group. Set it above the longest step, validation or checkpoint save. None: off (then only
+            ``timeout`` ends a hung collective). Independently of it, a rank that raises during a step ends its
+            peers within about a second with its error (``lightning_v17/engine/watchdog.py``).
     """
 
     strategy_name = "v17"
@@ -155,6 +167,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        hang_timeout: float | None = None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.policy = build_policy(dict(locals()))
@@ -176,6 +189,10 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         self._axes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        if hang_timeout is not None and not hang_timeout > 0:
+            raise V17ConfigError(f"hang_timeout={hang_timeout!r} must be a positive number of seconds, or None (off)")
+        self._hang_timeout = hang_timeout
+        self._watchdog: StepWatchdog | None = None
         self._mesh: MeshRuntime | UnsetMesh = UnsetMesh()
         self._parallel: Parallelized | None = None
         self._batch_checked = False
@@ -276,6 +293,9 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             )
         else:
             _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._watchdog = StepWatchdog(
+            self._hang_timeout, prefix=f"v17/attempt-{elastic_attempt() or 0}/watchdog/{next(_RUNS)}"
+        )
         spec = self.resolve_mesh(self.world_size)
         self._mesh = MeshRuntime(spec, build_device_mesh(spec, device_type=self.root_device.type))
         _precision.apply_config_precision(self)
@@ -380,24 +400,27 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             rows = _pipeline.rows(args[0] if args else kwargs["batch"])
             check_batch_keys(self.policy, rows=rows, accumulate=trainer.accumulate_grad_batches, dp=self.mesh.spec.dp)
             self._batch_checked = True
-        if self._pipelined():
-            return _pipeline.training_step(self, args, kwargs)
-        with self._loss_parallel():
-            return super().training_step(*args, **kwargs)
+        with self._watch("training_step"):
+            if self._pipelined():
+                return _pipeline.training_step(self, args, kwargs)
+            with self._loss_parallel():
+                return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipelined():
-            return _pipeline.eval_step(self, "val", args, kwargs)
-        with self._loss_parallel():
-            return super().validation_step(*args, **kwargs)
+        with self._watch("validation_step"):
+            if self._pipelined():
+                return _pipeline.eval_step(self, "val", args, kwargs)
+            with self._loss_parallel():
+                return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipelined():
-            return _pipeline.eval_step(self, "test", args, kwargs)
-        with self._loss_parallel():
-            return super().test_step(*args, **kwargs)
+        with self._watch("test_step"):
+            if self._pipelined():
+                return _pipeline.eval_step(self, "test", args, kwargs)
+            with self._loss_parallel():
+                return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -412,8 +435,22 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipelined():
             return closure_loss.detach()  # the pipeline schedule already ran backward (NeMo's skip-backward)
-        with self._loss_parallel():
+        with self._watch("backward"), self._loss_parallel():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    def _watch(self, phase: str) -> Generator[None, None, None]:
+        """Progress for the watchdog at both ends of a hook; an error inside is published for the peers."""
+        wd = self._watchdog
+        if wd is None or not wd.active:
+            yield
+            return
+        step = self.lightning_module.trainer.global_step if self._lightning_module is not None else 0
+        wd.start()
+        wd.progress(step, phase)
+        with wd.guard():
+            yield
+        wd.progress(step, f"after {phase}")
 
     def _loss_parallel(self) -> Any:
         """torch's ``loss_parallel()`` when ``loss_parallel=True`` (the loss and its backward must both run inside)."""
@@ -423,8 +460,9 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.zero.after_optimizer_step()  # stages 1/2: every rank stepped its part; make the parameters whole
+        with self._watch("optimizer_step"):
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self.zero.after_optimizer_step()  # stages 1/2: every rank stepped its part; make the parameters whole
         return out
 
     @contextmanager
@@ -474,6 +512,8 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()  # fit ended (or raised): a peer's later failure must not end this process
         if self._pipelined() and self._lightning_module is not None:
             trainer = getattr(self._lightning_module, "_trainer", None)
             if trainer is not None:

@@ -4,7 +4,9 @@ tests.dist._torchrun_job ROOT [--kill-at K]``.
 
 Async sharded checkpoints every 4 steps (an epoch: 16 samples per rank, batch 4) and ``ckpt_path="last"`` on every
 start. With ``--kill-at K``, rank 1 of the first attempt hard-exits (``os._exit(1)``, no cleanup) after step K; the
-agent restarts both workers, which resume from the newest complete checkpoint. Rank 0 appends every step's loss to
+agent restarts both workers, which resume from the newest complete checkpoint. With ``--hang-at K`` rank 1 of the
+first attempt sleeps before an all-reduce of step K (the watchdog, ``--hang-timeout``, must end the job); with
+``--raise-at K`` it raises in the forward of step K. Rank 0 appends every step's loss to
 ``ROOT/losses-<attempt>.jsonl``; every rank appends its timeline (start, imported, group_formed, loaded, first_step,
 kill, end; wall-clock seconds) to ``ROOT/events.jsonl``.
 """
@@ -31,6 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--hang-at", type=int, default=0, help="rank 1 sleeps before an all-reduce in this step")
+    parser.add_argument("--hang-timeout", type=float, default=None, help="V17Strategy(hang_timeout=)")
+    parser.add_argument("--raise-at", type=int, default=0, help="rank 1 raises in the forward of this step")
     args = parser.parse_args()
     root = Path(args.root)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -61,12 +66,26 @@ def main() -> None:
                 _event(root, what="kill", attempt=attempt, step=trainer.global_step)
                 os._exit(1)
 
+    class Job(_make_module()):
+        def training_step(self, batch, batch_idx):
+            step = self.trainer.global_step + 1  # the step being run, 1-based
+            if attempt == 0 and step == args.hang_at:
+                if self.global_rank == 1:
+                    _event(root, what="hang", attempt=attempt, step=step)
+                    time.sleep(max(30.0, 10 * (args.hang_timeout or 0)))
+                torch.distributed.all_reduce(torch.ones(1))  # rank 0 waits here for the sleeping rank 1
+            if attempt == 0 and step == args.raise_at and self.global_rank == 1:
+                _event(root, what="raise", attempt=attempt, step=step)
+                raise RuntimeError(f"injected failure on rank 1 in the forward of step {step}")
+            return super().training_step(batch, batch_idx)
+
+    strategy = V17Strategy(zero_stage=3, hang_timeout=args.hang_timeout)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=V17Strategy(zero_stage=3), max_steps=STEPS,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
         callbacks=[AsyncCheckpoint(root / "ckpt", every_n_steps=EVERY, keep_last=3), Timeline()],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(_make_module()(str(root / f"losses-{attempt}.jsonl")), ckpt_path="last")
+    trainer.fit(Job(str(root / f"losses-{attempt}.jsonl")), ckpt_path="last")
     _event(root, what="end", attempt=attempt, step=trainer.global_step)
 
 
