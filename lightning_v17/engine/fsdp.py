@@ -95,7 +95,9 @@ def apply_fsdp(
     kw = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "offload_policy": CPUOffloadPolicy() if offload_params else OffloadPolicy(),
+        # Pinned host memory needs an accelerator ("Cannot access accelerator device when none is available" on a
+        # CPU-only machine), and pinning buys nothing there: host and device are the same memory.
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy(),
     }
     units = find_wrap_units(module, wrap_classes)
     for i, u in enumerate(units):

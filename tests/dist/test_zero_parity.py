@@ -198,6 +198,7 @@ def _fit(case: dict) -> dict:
         activation_checkpointing=case.get("recompute", "none"),
         dp_replicate=case.get("dp_replicate", 1),
         bucket_mb=case.get("bucket_mb", 25.0),
+        offload_params=case.get("offload_params", "none"),
     )
     torch.manual_seed(99)  # dropout masks: same stream for every case on this rank
     trainer = L.Trainer(
@@ -232,6 +233,7 @@ CASES = {
     "s2_small_buckets": {"stage": 2, "bucket_mb": 0.001},
     "s2_hsdp": {"stage": 2, "dp_replicate": 2},
     "s3_hsdp": {"stage": 3, "dp_replicate": 2},
+    "s3_offload_params_cpu": {"stage": 3, "offload_params": "cpu"},  # FSDP2 CPUOffloadPolicy, unpinned on CPU
     "s1_accum": {"stage": 1, "accum": 2},
     "s2_accum": {"stage": 2, "accum": 2},
     "s3_accum": {"stage": 3, "accum": 2},
@@ -277,7 +279,9 @@ def _assert_params_close(got: dict, want: dict, tol: float) -> None:
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("name", ["s0", "s1", "s2", "s3", "s1_small_buckets", "s2_small_buckets", "s2_hsdp", "s3_hsdp"])
+@pytest.mark.parametrize(
+    "name", ["s0", "s1", "s2", "s3", "s1_small_buckets", "s2_small_buckets", "s2_hsdp", "s3_hsdp", "s3_offload_params_cpu"]
+)
 def test_stage_parity_fp32(results: list[dict], name: str) -> None:
     ref = reference()
     got = results[0][name]
