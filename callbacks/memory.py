@@ -34,6 +34,13 @@ class MemoryLayout:
 
 
 def _optimizer_kind(optimizer: Any) -> OptimizerKind | None:
+    """The planner's kind of ``optimizer``: what a :mod:`lightning_v17.optim` class declares (``v17_kind``), else a
+    guess from a foreign optimizer's class name (None when unknown)."""
+    from lightning_v17.optim.factory import optimizer_kind_of
+
+    declared = optimizer_kind_of(optimizer)
+    if declared is not None:
+        return declared.planner_kind
     name = type(optimizer).__name__.lower()
     if name in ("adamw", "adam"):
         return OptimizerKind.ADAMW

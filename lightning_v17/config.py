@@ -128,6 +128,7 @@ class OptimizerKind(StrEnum):
     ADAM8BIT = "adam8bit"
     ADAFACTOR = "adafactor"
     LION = "lion"
+    LION8BIT = "lion8bit"
     SGD = "sgd"
 
     @classmethod

@@ -100,7 +100,12 @@ def _elementwise_optimizers() -> tuple[type, ...]:
 def is_elementwise_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """True for the elementwise ``torch.optim`` optimizers (see :func:`_elementwise_optimizers`), subclasses
     included. Anything else (Adafactor's factored rows/columns, LBFGS, Muon, bitsandbytes' block-quantized states,
-    third-party optimizers) is treated as needing whole parameters."""
+    third-party optimizers) is treated as needing whole parameters. An optimizer that declares ``v17_elementwise``
+    (the :mod:`lightning_v17.optim` classes: True for Lion and CPU-Adam, False for the blockwise 8-bit ones and
+    Adafactor) is taken at its word."""
+    declared = getattr(optimizer, "v17_elementwise", None)
+    if declared is not None:
+        return bool(declared)
     return isinstance(optimizer, _elementwise_optimizers())
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lightning_v17.data.packing import IGNORE_INDEX
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.llama import Llama
+from lightning_v17.optim.factory import OptimizerName, build_optimizer
 
 
 def next_token_loss(
@@ -58,6 +59,10 @@ class LlamaLM(L.LightningModule):
             estimated stepping batches when ``max_steps`` is -1).
         min_lr_ratio: the cosine decays to ``lr * min_lr_ratio``.
         init_seed: seed of the deterministic weight init (:meth:`Llama.init_weights`).
+        optimizer: the optimizer, from :mod:`lightning_v17.optim`: a name (``adamw``, ``cpu_adam``, ``adam8bit``,
+            ``adafactor``, ``lion``, ``lion8bit``) or a ``{"class_path": ..., "init_args": {...}}`` spec naming any
+            optimizer class. ``lr``, ``betas``, ``eps`` and ``weight_decay`` above are passed where the class takes
+            them; a spec's ``init_args`` override them. Default: fused AdamW.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class LlamaLM(L.LightningModule):
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         init_seed: int = 0,
+        optimizer: str | dict[str, Any] = "adamw",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -79,6 +85,8 @@ class LlamaLM(L.LightningModule):
             raise ValueError(f"lr={lr} must be positive")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+        if not isinstance(optimizer, dict):
+            OptimizerName.parse(optimizer)  # a bad name fails here, naming the option and the valid names
         self.config = ModelConfig.from_preset(model, **(model_overrides or {}))
         self.model: Llama | None = None
         self._last_step_time: float | None = None
@@ -147,7 +155,8 @@ class LlamaLM(L.LightningModule):
             self.configure_model()
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
-        optimizer = torch.optim.AdamW(
+        optimizer = build_optimizer(
+            self.hparams.optimizer,
             [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.lr,
             betas=tuple(self.hparams.betas),

@@ -1,0 +1,131 @@
+"""Step an optimizer on the local shards of DTensor parameters, with its state still keyed by the parameters.
+
+Why: on FSDP2 (ZeRO-3) and tensor-parallel DTensor parameters, several optimizers cannot step at all
+(bitsandbytes 8-bit Adam/Lion: "mixed Tensor and DTensor"; bitsandbytes 32-bit Lion: no sharding strategy;
+DeepSpeed's CPU-Adam: a C++ op on raw storage), and the ones that can pay DTensor dispatch on every elementwise op:
+torch AdamW over a tiny GPT took 13.0 ms per step on DTensors against 4.7 ms on the local tensors and 2.2 ms fused
+(issue 16; re-measured with this module, see :class:`~lightning_v17.optim.library.AdamW`: the fused kernel is
+the larger win, and it costs about the same on DTensors and on local tensors). An elementwise update of a shard
+equals the shard of the full update, so stepping the local tensors is exact for AdamW, CPU-Adam and Lion.
+
+How: for the duration of ``step()`` each DTensor parameter in ``param_groups`` is swapped for a plain alias of its
+local tensor (same storage, so the update lands in the parameter) whose ``.grad`` is the gradient's local tensor,
+and its state entry is moved to the alias with every DTensor state unwrapped to its local tensor. After the step
+everything is swapped back, and each state tensor shaped like the local shard is wrapped as a DTensor with the
+parameter's mesh, placements, global shape and stride (cached: a state whose local tensor is unchanged keeps its
+DTensor). So ``optimizer.state_dict()`` and ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` see
+what torch's own optimizers produce on DTensors (per-parameter DTensor states), and DCP reshards them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["LocalShardStep", "has_dtensor_params", "local_grad", "local_shards"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of ``p`` as the local tensor that lines up with ``p``'s local tensor. A DTensor gradient placed
+    differently from its parameter (e.g. ``Partial`` sums of a replicated TP parameter) is redistributed to the
+    parameter's placements first, as torch's own optimizers would have done implicitly on DTensors."""
+    g = p.grad
+    if g is None or not isinstance(g, DTensor):
+        return g
+    if isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g._local_tensor
+
+
+def has_dtensor_params(param_groups: Iterable[dict[str, Any]]) -> bool:
+    """Whether any parameter of ``param_groups`` is a DTensor (FSDP2 / tensor parallel)."""
+    return any(isinstance(p, DTensor) for g in param_groups for p in g["params"])
+
+
+def _rewrap(value: Any, old: Any, param: DTensor, alias: torch.Tensor) -> Any:
+    """``value`` (a state after a local step) as the parameter's DTensor when it is shaped like the local shard."""
+    if not torch.is_tensor(value) or isinstance(value, DTensor) or value.dim() == 0 or value.shape != alias.shape:
+        return value  # scalars (step), per-block absmax, quantization maps, factored statistics: as they are
+    if isinstance(old, DTensor) and old._local_tensor is value:
+        return old  # updated in place: the DTensor made at an earlier step still wraps it
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+@contextmanager
+def local_shards(optimizer: torch.optim.Optimizer) -> Generator[None, None, None]:
+    """Within the block, ``optimizer.param_groups`` hold plain local aliases of its DTensor parameters (see module
+    docstring); on exit the DTensor parameters and DTensor-keyed state are restored."""
+    swaps: list[tuple[dict[str, Any], list[Any], list[tuple[DTensor, torch.Tensor, dict | None]]]] = []
+    state = optimizer.state
+    try:
+        for group in optimizer.param_groups:
+            orig = group["params"]
+            new: list[torch.Tensor] = []
+            pairs: list[tuple[DTensor, torch.Tensor, dict | None]] = []
+            for p in orig:
+                if not isinstance(p, DTensor):
+                    new.append(p)
+                    continue
+                alias = p._local_tensor.detach()  # shares storage: the update lands in the parameter's shard
+                if p.grad is not None:
+                    alias.grad = local_grad(p)
+                old = state.pop(p, None)
+                if old:
+                    state[alias] = {k: _local(v) if torch.is_tensor(v) else v for k, v in old.items()}
+                pairs.append((p, alias, old))
+                new.append(alias)
+            group["params"] = new
+            swaps.append((group, orig, pairs))
+        yield
+    finally:
+        for group, orig, pairs in swaps:
+            group["params"] = orig
+            for p, alias, old in pairs:
+                alias.grad = None
+                st = state.pop(alias, None)
+                if st:
+                    old = old or {}
+                    state[p] = {k: _rewrap(v, old.get(k), p, alias) for k, v in st.items()}
+                elif old:
+                    state[p] = old
+
+
+class LocalShardStep:
+    """Mixin for a ``torch.optim.Optimizer`` subclass: ``step()`` runs the parent's step on local shards when any
+    parameter is a DTensor (see the module docstring), and on the parameters themselves otherwise.
+
+    Class attributes the library reads (``MemoryBuckets``, the ZeRO engine, the factory):
+
+    * ``v17_kind``: the :class:`~lightning_v17.optim.factory.OptimizerName` of the class;
+    * ``v17_elementwise``: the update of an element depends only on that element (and scalars), so ZeRO-1/2 may
+      partition the optimizer by dim-0 rows (``optimizer_partition="rows"``); False sends it to whole-parameter
+      ownership (``"params"``), which is exact for any per-parameter optimizer;
+    * ``v17_local_step``: step DTensor parameters on their local shards (an instance may turn it off).
+    """
+
+    v17_kind: ClassVar[Any] = None
+    v17_elementwise: ClassVar[bool] = False
+    v17_local_step: bool = True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.v17_local_step and has_dtensor_params(self.param_groups):  # type: ignore[attr-defined]
+            with local_shards(self):  # type: ignore[arg-type]
+                super().step()  # type: ignore[misc]
+        else:
+            super().step()  # type: ignore[misc]
+        return loss
