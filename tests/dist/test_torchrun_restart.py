@@ -73,6 +73,7 @@ def test_plain_torchrun_restart_resumes_bit_exact(tmp_path):
         assert resumed[s] == first[s], (s, resumed[s], first[s])
 
 
+@pytest.mark.fault  # about 65 s: `make test-fault`
 @pytest.mark.timeout(300)
 def test_hung_rank_is_named_and_torchrun_restarts_the_job(tmp_path):
     """Rank 1 sleeps before an all-reduce of step 6; with hang_timeout=3 the watchdog ends the ranks within 2x the
