@@ -28,6 +28,11 @@ __all__ = ["CHECKPOINT_BLOCKING_ATTR", "ThroughputMonitor", "model_shape_of"]
 CHECKPOINT_BLOCKING_ATTR = "checkpoint_blocking_s"
 
 # torch.cuda.get_device_name() substrings -> planner.hardware.ACCELERATORS keys (first match wins).
+#: The matmul dtype each precision computes in (what the CPU peak is probed with).
+_COMPUTE_DTYPE = {
+    Precision.BF16_MIXED: torch.bfloat16, Precision.BF16_TRUE: torch.bfloat16,
+    Precision.FP16_MIXED: torch.float16, Precision.FP32: torch.float32,
+}  # fmt: skip
 _CUDA_NAMES = (
     ("H200", "h200-141gb"),
     ("H100", "h100-80gb"),
@@ -161,15 +166,18 @@ class ThroughputMonitor(Callback):
                     f"ThroughputMonitor: GPU {device_name!r} is not in the planner's accelerator table "
                     f"({', '.join(ACCELERATORS)}); pass peak_flops_per_s= or accelerator="
                 )
+        try:
+            precision = Precision.parse(getattr(trainer.precision_plugin, "precision", "32-true"))
+        except V17ConfigError:
+            precision = None
         if name is not None:
-            try:
-                precision = Precision.parse(getattr(trainer.precision_plugin, "precision", "32-true"))
-            except V17ConfigError:
-                precision = Precision.BF16_MIXED
             self.peak_source = f"table:{name}"
-            return float(get_accelerator(name).peak_flops_for(precision))
-        self.peak_source = "cpu-matmul-probe"
-        return probe_peak_flops_per_s(torch.float32)
+            return float(get_accelerator(name).peak_flops_for(precision or Precision.BF16_MIXED))
+        # The peak of the dtype the matmuls really run in: bf16 units are ~4x the fp32 ones on this kind of CPU, so
+        # an fp32 probe under bf16-mixed overstated MFU about 4x.
+        dtype = _COMPUTE_DTYPE.get(precision, torch.float32)
+        self.peak_source = f"cpu-matmul-probe:{str(dtype).removeprefix('torch.')}"
+        return probe_peak_flops_per_s(dtype)
 
     def _resolve_flops(self, pl_module: pl.LightningModule, seq: int) -> float:
         if self.flops_per_token is not None:

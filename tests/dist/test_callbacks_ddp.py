@@ -369,7 +369,7 @@ def test_throughput_mfu_under_ddp(results):
 
     for rank, res in enumerate(results):
         m = res["monitors"]
-        assert m["flops_source"] == "planner:flops_per_token(shape)" and m["peak_source"] == "cpu-matmul-probe"
+        assert m["flops_source"] == "planner:flops_per_token(shape)" and m["peak_source"] == "cpu-matmul-probe:float32"
         # FLOPs/token by hand for tiny at seq 64 (Narayanan Eq. 3 generalized, as the README states):
         # 3 * [L * (2 * W_block + 4 * s * h) + 2 * V * h], W_block = 2h^2 + 2h*h_kv + 3 h ffn
         t = get_preset("tiny")

@@ -79,3 +79,24 @@ def test_model_shape_from_llama_config():
         64,
     )
     assert model_shape_of(object(), seq=8) is None
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("32-true", "float32"), ("bf16-mixed", "bfloat16"), ("bf16-true", "bfloat16")]
+)
+def test_cpu_mfu_peak_follows_the_precision_in_use(precision, dtype):
+    """On CPU the MFU peak is probed in the dtype the matmuls run in (bf16 units are ~4x the fp32 ones here), and
+    the log names it; an fp32 probe under bf16-mixed overstated MFU about 4x."""
+    from types import SimpleNamespace
+
+    from lightning_v17.callbacks import ThroughputMonitor
+
+    from lightning_v17.engine.trackers.throughput import probe_peak_flops_per_s
+
+    mon = ThroughputMonitor()
+    trainer = SimpleNamespace(
+        precision_plugin=SimpleNamespace(precision=precision), strategy=SimpleNamespace(root_device=torch.device("cpu"))
+    )
+    peak = mon._resolve_peak(trainer)
+    assert mon.peak_source == f"cpu-matmul-probe:{dtype}"
+    assert peak == probe_peak_flops_per_s(getattr(torch, dtype))  # cached per dtype: the same probe result
