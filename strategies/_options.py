@@ -83,7 +83,7 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
         )
     if offload.params == Tier.NVME:
         raise V17ConfigError("offload_params='nvme' is not implemented yet; use 'cpu' (stage 3) or 'none'")
-    _warn_inapplicable(given, zero)
+    _warn_inapplicable(given, zero, offload)
     tp_plan = given["tp_plan"]
     return replace(
         base,
@@ -98,7 +98,7 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
     )
 
 
-def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy) -> None:
+def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy, offload: OffloadPolicy) -> None:
     """One warning per option that was set but cannot apply to this configuration (never silently ignored)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -111,6 +111,14 @@ def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy) -> None:
     if given["pp"] == 1:
         notes += [f"{n}={given[n]!r} applies only with pp > 1"
                   for n in ("pp_schedule", "microbatches", "virtual_stages") if not _is_default(n, given[n])]  # fmt: skip
+    if not _is_default("wrap_classes", given["wrap_classes"]) and not zero.shards_params and Recompute.parse(
+        given["activation_checkpointing"]
+    ) == Recompute.NONE:
+        notes.append("wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")
+    if given["nvme_path"] and Tier.NVME not in (offload.optimizer, offload.params):
+        notes.append(f"nvme_path={given['nvme_path']!r} applies only to an 'nvme' offload tier (none is set)")
+    if given.get("checkpoint_io") is not None:
+        notes.append("checkpoint_io: V17Strategy writes sharded DCP checkpoint directories itself (engine/checkpoint.py)")
     for note in notes:
         rank_zero_warn(f"V17Strategy: {note}; it is ignored here")
 

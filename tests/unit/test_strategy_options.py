@@ -91,6 +91,25 @@ def test_options_set_but_inapplicable_warn_once_each():
     assert any("reshard_after_forward applies to zero_stage=3 only" in m for m in msgs)
 
 
+def test_wrap_classes_nvme_path_and_checkpoint_io_warn_when_unused():
+    import warnings
+
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _strategy(zero_stage=1, wrap_classes=["Block"])
+        _strategy(zero_stage=3, nvme_path="/tmp")
+        _strategy(zero_stage=3, checkpoint_io=TorchCheckpointIO())
+        _strategy(zero_stage=1, wrap_classes=["Block"], activation_checkpointing="full")  # used by recompute
+        _strategy(zero_stage=3, wrap_classes=["Block"])  # the ZeRO-3 units
+    msgs = [str(w.message) for w in rec if "V17Strategy:" in str(w.message)]
+    assert len(msgs) == 3, msgs
+    assert "wrap_classes names the ZeRO-3 units and the recompute blocks" in msgs[0]
+    assert "nvme_path='/tmp' applies only to an 'nvme' offload tier" in msgs[1]
+    assert "checkpoint_io: V17Strategy writes sharded DCP checkpoint directories itself" in msgs[2]
+
+
 def test_missing_ckpt_path_says_it_does_not_exist(tmp_path):
     s = _strategy()
     with pytest.raises(V17ConfigError, match=r"ckpt_path='.*nope' does not exist"):
