@@ -30,19 +30,34 @@ records on each rank (stage forward, backward, weight-backward and loss compute)
   equal durations it is exactly (p-1)/m; the gap to it is stage imbalance and micro-batch-to-micro-batch variation
   of the compute (``action_cv``), and ``bubble_measured - bubble_replayed`` is communication + scheduling overhead.
 
+* ``bubble_simulated``: the planner's simulation (``planner.pipeline.bubble_fraction``, i.e. ``planner.simulate``
+  running the same action order torch runs) fed with this configuration's measured op times, the mean F (loss
+  included), B and W duration per stage (``op_times_ms``), and the measured P2P time (``p2p_ms``: half the median
+  round trip of one micro-batch's activation between the two ranks, timed in the same processes after the steps);
+  ``bubble_simulated_no_p2p`` without it. ``handoff_ms`` (end of an action to the start of its consumer on the
+  other rank, when that rank was waiting) and ``dispatch_ms`` (gap between two actions of a rank that did not wait)
+  are read off the traces (``perf_counter`` is one clock for all processes of the machine), to explain a gap.
+
 Targets checked and printed under ``"checks"``: GPipe/1F1B measured bubble within ±25% of (p-1)/m; zero_bubble's
-below 1F1B's at equal m; V17 1F1B tokens/s / raw torch.distributed.pipelining 1F1B tokens/s >= 0.95.
+below 1F1B's at equal m; V17 1F1B tokens/s / raw torch.distributed.pipelining 1F1B tokens/s >= 0.95; for all five
+schedules at m = 4 and 8, the simulated bubble within max(15% relative, 0.01 absolute) of the measured one (also
+printed as a table on stderr and under ``"bubble_table"``). ``--plot OUT.png`` draws the Gantt timeline of one
+measured step (the median one) per configuration from the engine's trace; it needs matplotlib
+(``pip install matplotlib``, or the project's ``plot`` extra).
 
 Usage::
 
     .venv/bin/python bench/pipeline.py                  # prints one JSON object
     .venv/bin/python bench/pipeline.py --steps 6 --warmup 2 --rounds 1   # one round: ~5 min
+    .venv/bin/python bench/pipeline.py --plot pipeline.png   # and the Gantt timelines
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
+import json
 import os
 import statistics
 import sys
@@ -82,6 +97,11 @@ class _Runner:
         self.iter_s: list[float] = []  # the whole iteration, optimizer step included (for tokens/s)
         self.busy: list[float] = []
         self.actions: list[list[tuple]] = []  # per timed step: (kind, stage, chunk, duration_s) in execution order
+        # per timed step: (step start = leaving the barrier, step end = leaving the closing barrier,
+        # [(kind, stage, chunk, t0, t1), ...]) in perf_counter seconds, which is CLOCK_MONOTONIC, one clock for all
+        # processes of the machine: the ranks' times compare
+        self.timelines: list[tuple[float, float, list[tuple]]] = []
+        self.p2p_s: list[float] = []
 
     def iteration(self, i: int, *, record: bool) -> None:
         import torch.distributed as dist
@@ -100,6 +120,7 @@ class _Runner:
         b1 = self.busy_of()
         if record and self.trace is not None:
             self.actions.append([(k, s, c, e - b) for k, s, c, b, e in self.trace])
+            self.timelines.append((t1, t2, list(self.trace)))
         self.opt.step()
         dist.barrier()
         t3 = time.perf_counter()
@@ -109,7 +130,30 @@ class _Runner:
             self.iter_s.append(t3 - t0)
 
     def result(self) -> dict[str, list]:
-        return {"sched_s": self.sched_s, "iter_s": self.iter_s, "busy": self.busy, "actions": self.actions}
+        return {"sched_s": self.sched_s, "iter_s": self.iter_s, "busy": self.busy, "actions": self.actions,
+                "timelines": self.timelines, "p2p_s": self.p2p_s}  # fmt: skip
+
+
+def _p2p_one_way_s(rank: int, *, rounds: int = 30) -> float:
+    """One activation transfer between the two ranks: half the median round trip of a micro-batch's activation
+    ([rows, seq, hidden] fp32, the tensor a stage sends forward; its gradient has the same shape) over gloo."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(ROWS_PER_MICROBATCH, SEQ, MODEL["hidden"])
+    peer = 1 - rank
+    times = []
+    dist.barrier()
+    for _ in range(rounds + 3):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(x, peer)
+            dist.recv(x, peer)
+        else:
+            dist.recv(x, peer)
+            dist.send(x, peer)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:]) / 2
 
 
 def _v17(rank: int, schedule: str, v: int, m: int, base) -> _Runner:
@@ -195,6 +239,8 @@ def _worker(rank: int, port: int, key: str, args: argparse.Namespace, queue) -> 
         for i in range(args.steps):
             for r in runners.values():
                 r.iteration(args.warmup + i, record=True)
+        if "one" in runners:
+            runners["one"].p2p_s.append(_p2p_one_way_s(rank))
         out = {k: r.result() for k, r in runners.items()}
         queue.put((rank, out.get("one", out)))
     finally:
@@ -252,6 +298,234 @@ def _replay(per_rank: dict, key: str, *, num_stages: int) -> dict[str, Any]:
     }
 
 
+def _steps(per_rank: dict, key: str) -> int:
+    return min(len(per_rank[r][key]["timelines"]) for r in (0, 1))
+
+
+def _merged_step(per_rank: dict, key: str, j: int) -> dict[int, list[list]]:
+    """Step ``j``'s actions per rank as ``[kind, stage, chunk, t0, t1, busy_s]``, each "loss" folded into the
+    forward before it (the last stage's forward ends with its loss, as ``replay_actions`` counts it): its end
+    becomes the loss's end and its busy time grows by the loss's duration."""
+    out: dict[int, list[list]] = {}
+    for r in (0, 1):
+        seq: list[list] = []
+        for kind, stage, chunk, t0, t1 in per_rank[r][key]["timelines"][j][2]:
+            if kind == "loss" and seq and seq[-1][0] == "F":
+                seq[-1][4] = t1
+                seq[-1][5] += t1 - t0
+            else:
+                seq.append([kind, stage, chunk, t0, t1, t1 - t0])
+        out[r] = seq
+    return out
+
+
+def _measured_op_times(per_rank: dict, key: str, *, num_stages: int, steps: list[int] | None = None) -> list:
+    """Per global stage, the mean measured duration of its forwards (loss included), its B (the full backward for
+    schedules without the split) and its W actions over the timed ``steps`` (default: all), as
+    :class:`planner.simulate.OpTimes`."""
+    from lightning_v17.planner.simulate import OpTimes
+
+    durs: dict[tuple[str, int], list[float]] = {}
+    for j in range(_steps(per_rank, key)) if steps is None else steps:
+        for seq in _merged_step(per_rank, key, j).values():
+            for kind, stage, _, _, _, busy in seq:
+                durs.setdefault((kind, stage), []).append(busy)
+
+    def mean(kind: str, stage: int) -> float:
+        vals = durs.get((kind, stage), [])
+        return statistics.fmean(vals) if vals else 0.0
+
+    return [OpTimes(mean("F", s), mean("B", s), mean("W", s)) for s in range(num_stages)]
+
+
+def _observed_gaps(per_rank: dict, key: str, *, num_stages: int) -> dict[str, float]:
+    """What the runtime adds to the compute, read off the timelines (one clock for both processes), as medians:
+
+    * ``handoff_s``: from the end of an action on one rank to the start of the action that consumes its output on
+      the other rank, when that rank was idle waiting for it (P2P transfer + the receive's bookkeeping);
+    * ``dispatch_s``: between two actions of a rank when the second did not wait for the other rank (the
+      runtime's per-action bookkeeping: posting sends and receives, the loss call, Python);
+    * ``setup_s``: from leaving the step's barrier to the first action of the first stage (splitting the batch
+      into micro-batches, stage set-up);
+    * ``tail_s``: from the end of the step's last action (either rank) to leaving the closing barrier (waiting on
+      the last sends, the schedule's own wrap-up, the barrier).
+    """
+    from lightning_v17.planner.simulate import dependency
+
+    handoff: list[float] = []
+    dispatch: list[float] = []
+    setup: list[float] = []
+    tail: list[float] = []
+    for j in range(_steps(per_rank, key)):
+        step = _merged_step(per_rank, key, j)
+        owner = {a[1]: r for r, seq in step.items() for a in seq if a[0] == "F"}
+        end = {(a[0], a[1], a[2]): a[4] for seq in step.values() for a in seq}
+        last_end = max(seq[-1][4] for seq in step.values() if seq)
+        for r, seq in step.items():
+            t_start, t_end, _ = per_rank[r][key]["timelines"][j]
+            if owner.get(0) == r and seq:
+                setup.append(seq[0][3] - t_start)
+            tail.append(t_end - last_end)
+            for prev, act in itertools.pairwise(seq):
+                dep = dependency(act[0], act[1], act[2], num_stages)
+                prev_end = prev[4]
+                if dep is not None and owner.get(dep[1], r) != r and dep in end and end[dep] > prev_end:
+                    handoff.append(act[3] - end[dep])
+                else:
+                    dispatch.append(act[3] - prev_end)
+
+    def med(vals: list[float]) -> float:
+        return statistics.median(vals) if vals else 0.0
+
+    return {"handoff_s": med(handoff), "dispatch_s": med(dispatch), "setup_s": med(setup), "tail_s": med(tail)}
+
+
+def _contention(per_rank: dict, key: str) -> float | None:
+    """Median over (op, stage) of the ratio: duration of that op while the other rank computes (>80% overlap) /
+    duration while the other rank is idle (<20% overlap). 1 means op times are properties of the op, as the
+    simulation assumes; on a CPU shared with other jobs it was 1.2-1.7 (processes the scheduler moves onto the core
+    of an idle rank slow the busy one down less), which is what per-stage mean times cannot express. Stage 0's
+    empty input-gradient backward (< 5 ms) is left out."""
+    alone: dict[tuple[str, int], list[float]] = {}
+    both: dict[tuple[str, int], list[float]] = {}
+    for j in range(_steps(per_rank, key)):
+        step = _merged_step(per_rank, key, j)
+        for r in (0, 1):
+            for kind, stage, _, t0, t1, busy in step[r]:
+                if t1 <= t0 or busy < 0.005:
+                    continue
+                overlap = sum(max(0.0, min(t1, e) - max(t0, b)) for _, _, _, b, e, _ in step[1 - r]) / (t1 - t0)
+                if overlap < 0.2 or overlap > 0.8:
+                    (alone if overlap < 0.2 else both).setdefault((kind, stage), []).append(busy)
+    ratios = [statistics.median(both[k]) / statistics.median(alone[k]) for k in alone if k in both]
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
+def _simulated(per_rank: dict, key: str, name: str, m: int, v: int) -> dict[str, Any]:
+    """The planner's simulation (``planner.simulate``, which ``planner.pipeline.bubble_fraction`` runs) of ``name``
+    fed with this configuration's measurements, next to the measured bubble:
+
+    * ``bubble_simulated``: each timed step simulated with that step's mean op times per stage, the measured P2P
+      time (ping-pong), the measured per-action dispatch gap and the step's set-up + tail (:func:`_observed_gaps`),
+      then the median of idle / busy over ranks x steps: the same aggregation as ``bubble_measured``;
+    * ``bubble_simulated_actions``: the same, each action with its own measured duration instead of the step's
+      per-stage mean (the recorded order, which is the schedule's);
+    * ``bubble_simulated_run_means``: one simulation with the op times averaged over all timed steps (the
+      planner's use: one set of op times), same P2P and overheads;
+    * ``bubble_simulated_ops_p2p``: run means and P2P only (an ideal runtime); ``bubble_simulated_no_p2p``: run
+      means only.
+    """
+    from lightning_v17.planner.pipeline import bubble_fraction
+    from lightning_v17.planner.simulate import schedule_actions, simulate, simulate_schedule
+
+    num_stages = 2 * v
+    times = _measured_op_times(per_rank, key, num_stages=num_stages)
+    p2p = statistics.median(per_rank[0][key]["p2p_s"] + per_rank[1][key]["p2p_s"])
+    gaps = _observed_gaps(per_rank, key, num_stages=num_stages)
+    overhead = gaps["setup_s"] + gaps["tail_s"]
+    per_step: list[float] = []
+    per_action: list[float] = []
+    for j in range(_steps(per_rank, key)):
+        step_times = _measured_op_times(per_rank, key, num_stages=num_stages, steps=[j])
+        timeline = simulate_schedule(
+            name, pp=2, microbatches=m, virtual_stages=v, op_times=step_times, p2p_s=p2p,
+            dispatch_s=gaps["dispatch_s"], step_overhead_s=overhead,
+        )  # fmt: skip
+        per_step += list(timeline.bubble_over_busy_per_rank.values())
+        # the same simulation, each action with its own measured duration (the order is the schedule's, which the
+        # trace shows the runtime ran): what the micro-batch-to-micro-batch variation within a step adds
+        recorded = {r: [(a[0], a[1], a[2], a[5]) for a in seq] for r, seq in _merged_step(per_rank, key, j).items()}
+        timeline = simulate(
+            recorded, num_stages=num_stages, p2p_s=p2p, dispatch_s=gaps["dispatch_s"], step_overhead_s=overhead
+        )
+        per_action += list(timeline.bubble_over_busy_per_rank.values())
+
+    def sim(p2p_s: float = 0.0, dispatch_s: float = 0.0, step_overhead_s: float = 0.0) -> float:
+        return bubble_fraction(
+            name, pp=2, microbatches=m, virtual_stages=v, op_times=times, p2p_s=p2p_s, dispatch_s=dispatch_s,
+            step_overhead_s=step_overhead_s,
+        )  # fmt: skip
+
+    # the simulated order is the engine's: every timed step ran exactly the planner's action list
+    planned = schedule_actions(name, pp=2, microbatches=m, virtual_stages=v)
+    same_order = all(
+        [tuple(a) for a in planned[r]] == [(k, st, c) for k, st, c, *_ in tl[2] if k != "loss"]
+        for r in (0, 1)
+        for tl in per_rank[r][key]["timelines"]
+    )
+    return {
+        "order_matches_planner": same_order,
+        "concurrent_over_alone": _contention(per_rank, key),
+        "bubble_simulated": statistics.median(per_step),
+        "bubble_simulated_actions": statistics.median(per_action),
+        "bubble_simulated_run_means": sim(p2p, gaps["dispatch_s"], overhead),
+        "bubble_simulated_ops_p2p": sim(p2p),
+        "bubble_simulated_no_p2p": sim(),
+        "op_times_ms": [
+            {
+                "stage": s,
+                "F": round(t.forward * 1e3, 3),
+                "B": round(t.backward_input * 1e3, 3),
+                "W": round(t.backward_weight * 1e3, 3),
+            }
+            for s, t in enumerate(times)
+        ],
+        "p2p_ms": round(p2p * 1e3, 4),
+        **{k.replace("_s", "_ms"): round(val * 1e3, 4) for k, val in gaps.items()},
+    }
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "bench/pipeline.py --plot needs matplotlib: pip install matplotlib (or the project's extra: "
+            "pip install 'lightning-v17[plot]')"
+        ) from None
+
+
+def _plot_gantt(per_rank: dict, results: dict, path: str) -> None:
+    """The Gantt timeline of one measured step per configuration (the step with the median schedule time), from
+    the engine's trace (``BubbleTimer.trace``): one row per rank, F / B / W / loss bars, x in ms since the step's
+    barrier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    keys = [k for k in results if "bubble_measured" in results[k]]
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "loss": "#C44E52"}
+    fig, axes = plt.subplots(len(keys), 1, figsize=(13, 1.25 * len(keys) + 0.8), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        sched = per_rank[0][key]["sched_s"][-_steps(per_rank, key) :]
+        j = sorted(range(len(sched)), key=sched.__getitem__)[len(sched) // 2]
+        t_start = min(per_rank[r][key]["timelines"][j][0] for r in (0, 1))
+        for r in (0, 1):
+            for kind, stage, chunk, t0, t1 in per_rank[r][key]["timelines"][j][2]:
+                x, w = (t0 - t_start) * 1e3, (t1 - t0) * 1e3
+                ax.broken_barh([(x, w)], (r - 0.4, 0.8), facecolors=colors[kind], edgecolor="white", linewidth=0.3)
+                if kind != "loss" and w > 2.0:
+                    label = f"{kind}{chunk}" if results[key]["virtual_stages"] == 1 else f"{kind}{stage}.{chunk}"
+                    ax.text(x + w / 2, r, label, ha="center", va="center", fontsize=5, color="white")
+        res = results[key]
+        ax.set_yticks([0, 1], ["rank 0", "rank 1"])
+        ax.set_ylim(1.6, -0.6)
+        ax.set_title(
+            f"{key}: bubble measured {res['bubble_measured']:.3f}, simulated "
+            f"{res.get('bubble_simulated', float('nan')):.3f} (idle / busy)",
+            fontsize=8,
+            loc="left",
+        )
+        ax.tick_params(labelsize=7)
+    axes[-1, 0].set_xlabel("ms since the step's barrier", fontsize=8)
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper right", ncol=4, fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration and round")
@@ -262,21 +536,50 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="do not pin rank r to the r-th allowed CPU core"
     )
+    parser.add_argument(
+        "--skip-raw", action="store_true",
+        help="skip the paired run against raw torch.distributed.pipelining 1F1B (and its ratio check)",
+    )  # fmt: skip
     parser.add_argument("--json-out", default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--trace-out", default=None, metavar="FILE.json",
+        help="also write every timed step's per-rank timeline and measured P2P times (to re-analyse or re-plot)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--from-trace", default=None, metavar="FILE.json",
+        help="measure nothing: analyse (and --plot) a file written by --trace-out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--plot", default=None, metavar="OUT.png",
+        help="also draw the Gantt timeline of one measured step per schedule and m (needs matplotlib)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.plot:
+        _require_matplotlib()  # before minutes of measurement, not after
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from lightning_v17.planner.pipeline import bubble_fraction
 
-    keys = [f"{name}/m{m}" for m in (4, 8) for name in [*(s for s, _ in SCHEDULES), "pair_1f1b"]]
+    pair = [] if args.skip_raw else ["pair_1f1b"]
+    keys = [f"{name}/m{m}" for m in (4, 8) for name in [*(s for s, _ in SCHEDULES), *pair]]
     per_rank: dict[int, dict[str, dict[str, list]]] = {0: {}, 1: {}}
     t0 = time.time()
 
     def add(key: str, r: int, res: dict) -> None:
-        acc = per_rank[r].setdefault(key, {"sched_s": [], "iter_s": [], "busy": [], "actions": []})
+        acc = per_rank[r].setdefault(
+            key, {"sched_s": [], "iter_s": [], "busy": [], "actions": [], "timelines": [], "p2p_s": []}
+        )
         for k, vals in res.items():
             acc[k] += vals
 
-    for rnd in range(args.rounds):
+    if args.from_trace:
+        with open(args.from_trace) as f:
+            per_rank = {int(r): d for r, d in json.load(f).items()}
+        for d in per_rank.values():
+            for acc in d.values():
+                acc["actions"] = [[(k, s, c, e - b) for k, s, c, b, e in tl[2]] for tl in acc["timelines"]]
+        keys = [k for k in keys if k in per_rank[0]]
+        args.skip_raw = True
+    for rnd in range(0 if args.from_trace else args.rounds):
         order = keys[rnd % len(keys) :] + keys[: rnd % len(keys)]  # rotate: no configuration has a fixed slot
         for key in order:
             res = _launch(key, args)
@@ -292,16 +595,17 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[round {rnd + 1}/{args.rounds}] {key}: {it:.3f} s/iter", file=sys.stderr, flush=True)
     results: dict[str, Any] = {}
     out_keys = [k.replace("pair_1f1b", "raw_1f1b") for k in keys]
-    out_keys += [f"paired_v17_1f1b/m{m}" for m in (4, 8)]
+    out_keys += [] if args.skip_raw else [f"paired_v17_1f1b/m{m}" for m in (4, 8)]
     for key in out_keys:
         name, m = key.split("/m")
         m = int(m)
-        iter_s = statistics.median(per_rank[0][key]["iter_s"])  # barrier-bracketed: equal on both ranks
+        # barrier-bracketed: equal on both ranks (not in traces from --trace-out before it kept them)
+        iter_s = statistics.median(per_rank[0][key]["iter_s"]) if per_rank[0][key].get("iter_s") else None
         entry: dict[str, Any] = {
             "m": m,
             "iter_s": iter_s,
             "schedule_s": statistics.median(per_rank[0][key]["sched_s"]),
-            "tokens_per_s": m * ROWS_PER_MICROBATCH * SEQ / iter_s,
+            "tokens_per_s": m * ROWS_PER_MICROBATCH * SEQ / iter_s if iter_s else None,
         }
         if name in dict(SCHEDULES):
             v = dict(SCHEDULES)[name]
@@ -313,6 +617,7 @@ def main(argv: list[str] | None = None) -> dict:
                 bubble_planner=bubble_fraction(name, pp=2, microbatches=m, virtual_stages=v),
                 busy_s_per_rank=[statistics.median(per_rank[r][key]["busy"]) for r in (0, 1)],
                 **_replay(per_rank, key, num_stages=2 * v),
+                **_simulated(per_rank, key, name, m, v),
             )
         results[key] = entry
     checks: dict[str, Any] = {}
@@ -332,6 +637,8 @@ def main(argv: list[str] | None = None) -> dict:
             "1f1b": round(ob, 4),
             "ok": zb < ob,
         }
+        if args.skip_raw:
+            continue
         # paired: both in the same process pair, iterations interleaved (see _worker)
         ratio = results[f"paired_v17_1f1b/m{m}"]["tokens_per_s"] / results[f"raw_1f1b/m{m}"]["tokens_per_s"]
         checks[f"m{m}: v17 1f1b / raw torch.distributed.pipelining 1f1b tokens/s >= 0.95"] = {
@@ -341,6 +648,39 @@ def main(argv: list[str] | None = None) -> dict:
                 results[f"1f1b/m{m}"]["tokens_per_s"] / results[f"raw_1f1b/m{m}"]["tokens_per_s"], 3
             ),
         }
+    table = []
+    for m in (4, 8):
+        for name, _ in SCHEDULES:
+            res = results[f"{name}/m{m}"]
+            meas, sim = res["bubble_measured"], res["bubble_simulated"]
+            tol = max(0.15 * abs(meas), 0.01)
+            row = {"schedule": name, "m": m, "measured": round(meas, 4), "simulated": round(sim, 4),
+                   "simulated_actions": round(res["bubble_simulated_actions"], 4),
+                   "simulated_run_means": round(res["bubble_simulated_run_means"], 4),
+                   "simulated_ops_p2p": round(res["bubble_simulated_ops_p2p"], 4),
+                   "simulated_no_p2p": round(res["bubble_simulated_no_p2p"], 4),
+                   "replayed": round(res.get("bubble_replayed", float("nan")), 4),
+                   "planner_equal_times": round(res["bubble_planner"], 4), "abs_err": round(abs(sim - meas), 4),
+                   "tolerance": round(tol, 4), "ok": abs(sim - meas) <= tol,
+                   "ok_per_action": abs(res["bubble_simulated_actions"] - meas) <= tol}  # fmt: skip
+            table.append(row)
+            checks[f"{name}/m{m}: simulated bubble within max(15%, 0.01) of measured"] = row
+    head = "schedule          m  measured  simulated  per-action  run means  ops+p2p  ops only  replayed  T equal"
+    print(head + "  ok ok/act", file=sys.stderr)
+    for row in table:
+        print(
+            f"{row['schedule']:<17} {row['m']}  {row['measured']:8.4f}  {row['simulated']:9.4f}  "
+            f"{row['simulated_actions']:10.4f}  {row['simulated_run_means']:9.4f}  {row['simulated_ops_p2p']:7.4f}  "
+            f"{row['simulated_no_p2p']:8.4f}  {row['replayed']:8.4f}  "
+            f"{row['planner_equal_times']:7.4f}  {row['ok']!s:5} {row['ok_per_action']}",
+            file=sys.stderr,
+        )
+    if args.plot:
+        _plot_gantt(per_rank, results, args.plot)
+    if args.trace_out:
+        with open(args.trace_out, "w") as f:
+            keep = ("sched_s", "iter_s", "busy", "timelines", "p2p_s")
+            json.dump({r: {k: {x: d[x] for x in keep} for k, d in per_rank[r].items()} for r in (0, 1)}, f)
     report = {
         "bench": "pipeline",
         "pp": 2,
@@ -350,6 +690,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
         "pinned": args.pin,
         "results": results,
+        "bubble_table": table,
         "checks": checks,
         "wall_s": round(time.time() - t0, 1),
     }

@@ -69,13 +69,16 @@ class Schedule(StrEnum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved_1f1b"
-    ZERO_BUBBLE = "zero_bubble"  # interleaved zero bubble (ZB-H1 family, Qi 2023)
+    # Names follow the papers (Qi 2023): "zero_bubble" is torch's ScheduleInterleavedZeroBubble (ZB-1P on looped
+    # chunks), "zb_h1"/"zb_h2" are the handcrafted one-stage-per-rank schedules of Qi 2023 §3.1/§3.2, "zbv" §6.
+    ZERO_BUBBLE = "zero_bubble"
+    ZB_H1 = "zb_h1"
     ZB_H2 = "zb_h2"
     ZBV = "zbv"
 
     @classmethod
     def parse(cls, value: Any, option: str = "pp_schedule") -> Schedule:
-        aliases = {"interleaved": cls.INTERLEAVED_1F1B, "zb_h1": cls.ZERO_BUBBLE, "zb-h1": cls.ZERO_BUBBLE}
+        aliases = {"interleaved": cls.INTERLEAVED_1F1B, "interleaved_zero_bubble": cls.ZERO_BUBBLE}
         if isinstance(value, str) and value.strip().lower() in aliases:
             return aliases[value.strip().lower()]
         return parse_enum(cls, value, option=option)  # type: ignore[return-value]

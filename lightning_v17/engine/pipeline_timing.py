@@ -1,5 +1,6 @@
 """Pipeline bubble measurement (part of :mod:`lightning_v17.engine.pipeline`, which re-exports it): busy vs idle
-time per rank (:class:`BubbleTimer`) and a zero-communication replay of recorded actions (:func:`replay_actions`).
+time per rank (:class:`BubbleTimer`) and a replay of recorded actions (:func:`replay_actions`) through the planner's
+event simulation (``lightning_v17.planner.simulate``), by default with zero communication time.
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ class BubbleTimer:
         return self.history[-1] if self.history else None
 
 
-def replay_actions(actions_by_rank: dict[int, list[tuple[str, int, int, float]]], num_stages: int) -> dict[str, Any]:
-    """Replay recorded pipeline actions with zero communication time: the step the same action durations give.
+def replay_actions(
+    actions_by_rank: dict[int, list[tuple[str, int, int, float]]], num_stages: int, *, p2p_s: float = 0.0
+) -> dict[str, Any]:
+    """Replay recorded pipeline actions with the planner's event simulation (``planner.simulate.simulate``): the
+    step the same action durations give, with ``p2p_s`` per transfer between ranks (default: none).
 
     Each rank runs its own actions in the recorded order; an action starts when its rank is free and its input is
     ready: ``F(s, i)`` after ``F(s-1, i)``; ``B(s, i)`` after ``B(s+1, i)`` (the last stage: after its ``F``);
@@ -79,6 +83,7 @@ def replay_actions(actions_by_rank: dict[int, list[tuple[str, int, int, float]]]
         actions_by_rank: per pp rank, ``(kind, stage_index, chunk_id, duration_s)`` in execution order (kind "F",
             "B", "W" or "loss"), e.g. from :attr:`BubbleTimer.trace` of one step.
         num_stages: total number of pipeline stages.
+        p2p_s: seconds per activation/gradient transfer between two ranks.
 
     Returns:
         ``{"step_s", "busy_s": {rank: s}, "bubble_over_busy": {rank: idle / busy}}``.
@@ -86,6 +91,8 @@ def replay_actions(actions_by_rank: dict[int, list[tuple[str, int, int, float]]]
     Raises:
         ValueError: if the actions cannot all run (a dependency never executes: not one complete step).
     """
+    from lightning_v17.planner.simulate import simulate
+
     seqs: dict[int, list[list[Any]]] = {}
     for rank, acts in actions_by_rank.items():
         seq: list[list[Any]] = []
@@ -100,35 +107,9 @@ def replay_actions(actions_by_rank: dict[int, list[tuple[str, int, int, float]]]
                 continue
             seq.append([kind, stage, chunk, dur])
         seqs[rank] = seq
-    end: dict[tuple[str, int, int], float] = {}
-    free = dict.fromkeys(seqs, 0.0)
-    pos = dict.fromkeys(seqs, 0)
-    remaining = sum(len(v) for v in seqs.values())
-    while remaining:
-        progressed = False
-        for rank, seq in seqs.items():
-            while pos[rank] < len(seq):
-                kind, stage, chunk, dur = seq[pos[rank]]
-                if kind == "F":
-                    dep = ("F", stage - 1, chunk) if stage > 0 else None
-                elif kind == "B":
-                    dep = ("B", stage + 1, chunk) if stage < num_stages - 1 else ("F", stage, chunk)
-                else:
-                    dep = ("B", stage, chunk)
-                if dep is not None and dep not in end:
-                    break
-                start = max(free[rank], end[dep] if dep is not None else 0.0)
-                free[rank] = end[(kind, stage, chunk)] = start + dur
-                pos[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: seqs[r][pos[r]][:3] for r in seqs if pos[r] < len(seqs[r])}
-            raise ValueError(f"replay_actions: actions wait on dependencies that never run: {stuck}")
-    step = max(free.values()) if free else 0.0
-    busy = {r: sum(a[3] for a in seq) for r, seq in seqs.items()}
+    timeline = simulate({r: [tuple(a) for a in seq] for r, seq in seqs.items()}, num_stages=num_stages, p2p_s=p2p_s)
     return {
-        "step_s": step,
-        "busy_s": busy,
-        "bubble_over_busy": {r: (step - b) / b if b > 0 else 0.0 for r, b in busy.items()},
+        "step_s": timeline.step,
+        "busy_s": timeline.busy,
+        "bubble_over_busy": timeline.bubble_over_busy_per_rank,
     }

@@ -507,6 +507,9 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         microbatches=lay.microbatches, offload_params=lay.offload_params, offload_optimizer=lay.offload_optimizer,
     )  # fmt: skip
     notes = list(rec.notes)
+    engine_note = schedule_info(lay.schedule).engine_note() if lay.pp > 1 else None
+    if engine_note:
+        notes.append(engine_note)
     if shape is None:
         notes.append("activations, temporary buffers, TP/PP traffic and attention FLOPs need a shape; "
                      "give --model or the shape flags")

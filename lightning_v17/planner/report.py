@@ -10,6 +10,7 @@ from typing import Any
 from lightning_v17.config import OptimizerKind, Precision, Tier
 from lightning_v17.planner import memory as mem
 from lightning_v17.planner.plan import MaxModel, Plan
+from lightning_v17.planner.schedules import schedule_info
 
 BAR_WIDTH = 32
 
@@ -136,8 +137,9 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     for c in plan.collectives:
         out.append(f"          {c.name:<44} {fmt_bytes(c.bytes_per_step):>9}")
     if lay.pp > 1:
+        runs = "" if schedule_info(lay.schedule).runnable else " (planner-only: the engine cannot run it)"
         out.append(f"pipeline: {lay.schedule.value} p={lay.pp} m={lay.microbatches} v={lay.virtual_stages}: "
-                   f"bubble {plan.bubble:.1%} of ideal compute time")
+                   f"bubble {plan.bubble:.1%} of ideal compute time (simulated, T_F = T_B = T_W){runs}")
     else:
         out.append("pipeline: none (pp=1), bubble 0%")
     rec_txt = "no recompute" if lay.recompute.value == "none" else f"{lay.recompute.value} recompute"
@@ -216,7 +218,8 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
                             for c in plan.collectives],
         },
         "pipeline": {"schedule": lay.schedule.value, "stages": lay.pp, "microbatches": lay.microbatches,
-                     "virtual_stages": lay.virtual_stages, "bubble_fraction": plan.bubble},
+                     "virtual_stages": lay.virtual_stages, "bubble_fraction": plan.bubble,
+                     "bubble_method": "simulated", "runnable": schedule_info(lay.schedule).runnable},
         "flops": {"per_step": plan.flops_per_step, "model_per_step": plan.model_flops_per_step,
                   "step_time_s": plan.step_time_s, "mfu_assumed": plan.mfu_assumed, "mfu_effective": plan.mfu,
                   "tokens_per_s": lay.global_batch * lay.seq / plan.step_time_s},

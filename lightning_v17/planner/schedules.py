@@ -6,14 +6,16 @@ the same facts instead of each keeping its own tuple of "multi-chunk" schedules 
 
 Per schedule:
 
-* ``placement``: how a rank's model chunks sit on the pipeline. ``single``: one stage per rank (GPipe, 1F1B);
+* ``placement``: how a rank's model chunks sit on the pipeline. ``single``: one stage per rank (GPipe, 1F1B,
+  ZB-H1, ZB-H2);
   ``loop``: rank r holds stages r, r + p, r + 2p, ... (Narayanan 2021 §2.2, interleaved); ``v``: rank r holds stages
   r and 2p - 1 - r, so the first and the last stage share rank 0 (Qi 2023 §6, ZB-V).
 * chunks per rank ``v``: 1 for ``single``, exactly 2 for ``v``, any ``v >= 2`` (the user's ``virtual_stages``) for
   ``loop``.
 * micro-batches whose activations the first stage holds at its peak (the planner's activation memory): GPipe all m;
-  1F1B and ZB-H1 ``min(p, m)`` (Narayanan 2021 §2.2.1; Qi 2023 §3.1 keeps 1F1B's memory); ZB-H2 ``min(2p - 1, m)``
-  (Qi 2023 §3.2); ZB-V ``min(p, m)`` chunk pairs (Qi 2023 §6: the same peak as 1F1B).
+  1F1B, ZB-H1 and torch's interleaved zero bubble ``min(p, m)`` (Narayanan 2021 §2.2.1; Qi 2023 §3.1 keeps
+  1F1B's memory); ZB-H2 ``min(2p - 1, m)`` (Qi 2023 §3.2); ZB-V ``min(p, m)`` chunk pairs (Qi 2023 §6: the same
+  peak as 1F1B).
 * ``torch_class``: the ``torch.distributed.pipelining`` schedule the engine runs, or None when there is none.
 """
 
@@ -45,6 +47,8 @@ class ScheduleInfo:
         torch_class: class name in ``torch.distributed.pipelining``; None: the engine cannot run it.
         in_flight: "m" (all micro-batches), "p" (``min(p, m)``) or "2p-1" (``min(2p - 1, m)``).
         source: the paper section the schedule comes from.
+        split_backward: the backward runs as two actions, B (input gradient) and W (weight gradient), as in the
+            zero-bubble schedules (Qi 2023); False: one full backward.
     """
 
     schedule: Schedule
@@ -52,6 +56,7 @@ class ScheduleInfo:
     torch_class: str | None
     in_flight: str
     source: str
+    split_backward: bool = False
 
     @property
     def multi_chunk(self) -> bool:
@@ -87,6 +92,16 @@ class ScheduleInfo:
                 f"pp_schedule={self.schedule.value!r} has no torch.distributed.pipelining implementation, so the "
                 f"engine cannot run it (the planner can still estimate it); choose one of {ok}"
             )
+
+    def engine_note(self) -> str | None:
+        """For a schedule the engine cannot run: what the planner's recommendation says instead of running it."""
+        if self.runnable:
+            return None
+        ok = " or ".join(repr(s.value) for s, i in SCHEDULES.items() if i.runnable and i.split_backward)
+        return (
+            f"schedule {self.schedule.value!r} ({self.source}) is planner-only: torch.distributed.pipelining has no "
+            f"implementation, so V17Strategy cannot run it; the engine runs the B/W-split schedules {ok}"
+        )
 
     def check_microbatches(self, *, pp: int, microbatches: int) -> None:
         """Raise a :class:`V17ConfigError` naming valid values unless torch's schedule accepts ``microbatches``.
@@ -133,10 +148,14 @@ SCHEDULES: dict[Schedule, ScheduleInfo] = {
             Schedule.INTERLEAVED_1F1B, Placement.LOOP, "ScheduleInterleaved1F1B", "p", "Narayanan 2021 §2.2.2"
         ),
         ScheduleInfo(
-            Schedule.ZERO_BUBBLE, Placement.LOOP, "ScheduleInterleavedZeroBubble", "p", "Qi 2023 §3.1 (interleaved)"
+            Schedule.ZERO_BUBBLE, Placement.LOOP, "ScheduleInterleavedZeroBubble", "p", "Qi 2023 ZB-1P, looped", True
         ),
-        ScheduleInfo(Schedule.ZB_H2, Placement.LOOP, None, "2p-1", "Qi 2023 §3.2"),
-        ScheduleInfo(Schedule.ZBV, Placement.V, "ScheduleZBVZeroBubble", "p", "Qi 2023 §6"),
+        # Qi's handcrafted ZB-H1/ZB-H2 run one stage per rank; torch 2.13 has no class for them (its
+        # ScheduleInterleavedZeroBubble computes ZB-H1's order when given one stage per rank, a list of one; the
+        # engine passes single-placement schedules a bare stage), so they are planner-only.
+        ScheduleInfo(Schedule.ZB_H1, Placement.SINGLE, None, "p", "Qi 2023 §3.1", True),
+        ScheduleInfo(Schedule.ZB_H2, Placement.SINGLE, None, "2p-1", "Qi 2023 §3.2", True),
+        ScheduleInfo(Schedule.ZBV, Placement.V, "ScheduleZBVZeroBubble", "p", "Qi 2023 §6", True),
     )
 }
 

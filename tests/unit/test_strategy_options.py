@@ -125,6 +125,6 @@ def test_microbatches_torch_cannot_schedule_are_refused_at_construction():
     with pytest.raises(V17ConfigError, match=r"microbatches=5 with pp=2 is not; try one of"):
         _strategy(pp=2, zero_stage=1, pp_schedule="interleaved_1f1b", virtual_stages=2, microbatches=5)
     with pytest.raises(V17ConfigError, match="no torch.distributed.pipelining implementation"):
-        _strategy(pp=2, zero_stage=1, pp_schedule="zb_h2", virtual_stages=2)
+        _strategy(pp=2, zero_stage=1, pp_schedule="zb_h2")  # Qi's ZB-H2: one stage per rank
     _strategy(pp=2, zero_stage=1, pp_schedule="interleaved_1f1b", virtual_stages=2, microbatches=6)  # 3 rounds of 2
     _strategy(pp=4, zero_stage=1, pp_schedule="gpipe", microbatches=2)  # GPipe has no such limit
