@@ -128,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--global-batch", type=_positive_int, help="samples per step over all replicas")
     t.add_argument("--microbatches", type=_positive_int, help="micro-batches per step per replica (m)")
     t.add_argument("--recompute", help="none, selective or full (default: the least that fits)")
-    t.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zbv")
+    t.add_argument(
+        "--schedule",
+        help="pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble (torch's interleaved zero bubble), zbv; "
+        "zb-h1 / zb-h2 are Qi 2023's one-stage-per-rank schedules, planner-only (the engine cannot run them)",
+    )
     t.add_argument("--virtual-stages", type=_positive_int, help="model chunks per rank (interleaved schedules)")
     t.add_argument("--offload-optimizer", default="none", help="none, cpu or nvme")
     t.add_argument("--offload-params", default="none", help="none, cpu or nvme (ZeRO-3)")
