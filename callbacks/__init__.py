@@ -7,6 +7,8 @@ if __name__ != "lightning_v17.callbacks":  # pragma: no cover - guards against `
     )
 
 from lightning_v17.callbacks.async_checkpoint import AsyncCheckpoint
+from lightning_v17.callbacks.bad_steps import BadStepError, BadStepGuard, BadStepRollback
+from lightning_v17.callbacks.goodput import GoodputMonitor
 from lightning_v17.callbacks.loss_scaling import DynamicLossScaling, LossScaleError
 from lightning_v17.callbacks.memory import MemoryBuckets
 from lightning_v17.callbacks.straggler import StragglerDetected, StragglerDetector
@@ -14,7 +16,11 @@ from lightning_v17.callbacks.throughput import ThroughputMonitor
 
 __all__: list[str] = [
     "AsyncCheckpoint",
+    "BadStepError",
+    "BadStepGuard",
+    "BadStepRollback",
     "DynamicLossScaling",
+    "GoodputMonitor",
     "LossScaleError",
     "MemoryBuckets",
     "StragglerDetected",
