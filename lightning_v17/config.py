@@ -377,6 +377,78 @@ class LossScalePolicy:
             raise V17ConfigError(f"min_scale={self.min_scale} must be in (0, init_scale={self.init_scale}]")
 
 
+class FP8Recipe(StrEnum):
+    """How float8 scales are chosen (Micikevicius 2022, "FP8 Formats for Deep Learning", §3-4; torchao float8 README).
+
+    ``tensorwise``: one dynamic scale per tensor (amax of the whole tensor, computed every step). ``rowwise``: one
+    dynamic scale per row/column along the contraction's outer dims, scales rounded to powers of 2 (more accurate,
+    slower on H100 per the README). ``delayed``: scales from an amax history of earlier steps (Micikevicius 2022 §4.3;
+    Transformer Engine's ``DelayedScaling``); torchao 0.18 removed it (pytorch/ao#1680), ours is not written yet.
+    """
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    DELAYED = "delayed"
+
+
+class FP8Backend(StrEnum):
+    """Which library runs the float8 matmuls: ``torchao`` (``Float8Linear``, any device, CPU included), ``te``
+    (NVIDIA Transformer Engine, GPUs of compute capability >= 8.9), ``auto`` (``te`` when installed and the device
+    supports FP8, else ``torchao``; resolved by ``lightning_v17.engine.fp8.resolve_fp8_backend`` for a device)."""
+
+    AUTO = "auto"
+    TORCHAO = "torchao"
+    TE = "te"
+
+
+@dataclass(frozen=True)
+class FP8Policy:
+    """FP8 training of the blocks' ``nn.Linear`` layers (seed §13; ``lightning_v17.engine.fp8``).
+
+    The DeepSpeed JSON config has no FP8 section, so this policy comes only from ``V17Strategy(fp8=...,
+    fp8_backend=..., fp8_skip=...)``.
+
+    Args:
+        recipe: the scaling recipe (:class:`FP8Recipe`); ``delayed`` is refused until it is implemented here.
+        backend: :class:`FP8Backend`.
+        skip: ``fnmatch`` patterns of module FQNs kept in high precision besides the fixed rule (embeddings, the
+            output head, norms and every Linear outside the repeated blocks), e.g. ``("*.w2", "layers.0.*")``.
+    """
+
+    recipe: FP8Recipe = FP8Recipe.TENSORWISE
+    backend: FP8Backend = FP8Backend.AUTO
+    skip: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recipe", parse_enum(FP8Recipe, self.recipe, option="fp8"))
+        object.__setattr__(self, "backend", parse_enum(FP8Backend, self.backend, option="fp8_backend"))
+        if isinstance(self.skip, str):
+            raise V17ConfigError(f"fp8_skip={self.skip!r} must be a list of FQN patterns, e.g. [{self.skip!r}]")
+        object.__setattr__(self, "skip", tuple(str(s) for s in self.skip))
+        if self.recipe == FP8Recipe.DELAYED:
+            raise V17ConfigError(
+                "fp8='delayed' (delayed scaling from an amax history) is not implemented yet: torchao 0.18 removed "
+                "it (pytorch/ao#1680) and lightning-v17's own is still to be written; use fp8='tensorwise' or "
+                "fp8='rowwise' (dynamic scaling)"
+            )
+
+    @classmethod
+    def from_options(cls, fp8: Any, backend: Any = "auto", skip: Any = ()) -> FP8Policy | None:
+        """The policy for ``V17Strategy(fp8=, fp8_backend=, fp8_skip=)``; None when ``fp8`` is None/False.
+
+        Raises:
+            V17ConfigError: an unknown recipe or backend, ``delayed``, or ``fp8_backend``/``fp8_skip`` without fp8.
+        """
+        if fp8 is None or fp8 is False:
+            backend = parse_enum(FP8Backend, backend, option="fp8_backend")
+            unused = [n for n, on in (("fp8_backend", backend != FP8Backend.AUTO), ("fp8_skip", bool(skip))) if on]
+            if unused:
+                raise V17ConfigError(f"{' and '.join(unused)} apply only with fp8='tensorwise' or 'rowwise'; set fp8 "
+                                     "or drop them")  # fmt: skip
+            return None
+        return cls(recipe=fp8, backend=backend, skip=skip if isinstance(skip, str) else tuple(skip or ()))
+
+
 @dataclass(frozen=True)
 class TrainingPolicy:
     """Everything V17Strategy was configured with, after parsing. Built once at the boundary.
@@ -399,6 +471,7 @@ class TrainingPolicy:
         train_batch_size: ``train_batch_size`` from a DeepSpeed config: checked against micro-batch x gradient
             accumulation x data-parallel ranks at the first training batch.
         precision: precision from a DeepSpeed config (None: use the Trainer's ``precision=``).
+        fp8: float8 matmuls in the blocks' Linears (:class:`FP8Policy`); None: off.
     """
 
     zero: ZeroPolicy = field(default_factory=ZeroPolicy)
@@ -415,6 +488,7 @@ class TrainingPolicy:
     micro_batch_size: int | None = None
     train_batch_size: int | None = None
     precision: Precision | None = None
+    fp8: FP8Policy | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_v17.config import (
+    FP8Policy,
     OffloadPolicy,
     PipelinePolicy,
     Recompute,
@@ -95,7 +96,28 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
         vocab_parallel=bool(given["vocab_parallel"]),
         loss_parallel=bool(given["loss_parallel"]),
         tp_plan=dict(tp_plan) if tp_plan else None,
+        fp8=build_fp8_policy(given),
     )
+
+
+def build_fp8_policy(given: dict[str, Any]) -> FP8Policy | None:
+    """``fp8``/``fp8_backend``/``fp8_skip`` -> one FP8Policy (None: fp8 off). A DeepSpeed config has no FP8 section.
+
+    ``fp8_backend='te'`` is checked against this machine now (no CUDA: it can never run here) and against the real
+    device again when the model is parallelized (``engine.fp8.apply_fp8``).
+
+    Raises:
+        V17ConfigError: an unknown recipe/backend, ``fp8='delayed'`` (not implemented yet), ``fp8_backend``/
+            ``fp8_skip`` without fp8, ``fp8_backend='te'`` without a CUDA GPU.
+    """
+    import torch
+
+    from lightning_v17.engine.fp8 import resolve_fp8_backend
+
+    policy = FP8Policy.from_options(given["fp8"], given["fp8_backend"], given["fp8_skip"])
+    if policy is not None and not torch.cuda.is_available():
+        resolve_fp8_backend(policy, "cpu")  # raises for 'te' here; 'auto' resolves to torchao on CPU
+    return policy
 
 
 def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy, offload: OffloadPolicy) -> None:

@@ -101,6 +101,19 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (None: True, except the
             last unit and the root group, which backward needs first).
         bucket_mb: gradient bucket size in MiB for stages 0-2 (DeepSpeed's ``reduce_bucket_size``).
+        fp8: float8 matmuls in the repeated blocks' ``nn.Linear`` layers (torchao ``Float8Linear``; Micikevicius 2022
+            "FP8 Formats for Deep Learning"): "tensorwise" (one dynamic scale per tensor), "rowwise" (per-row dynamic
+            scales, powers of 2) or None (off). A Linear is converted when it sits inside a block and both its dims
+            divide 16; the others are listed in one warning. Embeddings, the output head and norms stay in high
+            precision, and so do the master weights and the optimizer. "delayed" is refused until implemented
+            (torchao 0.18 removed it, pytorch/ao#1680). Not with tp > 1 yet. At zero_stage=3 the weights are
+            all-gathered in their own dtype (float8 all-gather is planned). The DeepSpeed config has no FP8 section.
+        fp8_backend: "torchao" (any device, CPU included), "te" (NVIDIA Transformer Engine: a GPU of compute
+            capability >= 8.9 with transformer-engine installed; its path is not implemented yet, so it raises a
+            clear error) or "auto" (torchao in this version; Transformer Engine where it can run once that path
+            exists).
+        fp8_skip: ``fnmatch`` patterns of module FQNs kept in high precision too (a pattern matching a block keeps
+            all its Linears), e.g. ``["*.w2", "model.layers.0"]``; a pattern matching no module is an error.
         optimizer_partition: stages 1-2: "rows" splits every parameter's optimizer state along dim 0 (exact for
             elementwise optimizers such as SGD/Adam/AdamW), "params" gives each rank whole parameters (exact for any
             per-parameter optimizer such as Adafactor), "auto" picks "rows" when every optimizer is an elementwise
@@ -156,6 +169,9 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         reshard_after_forward: bool | None = None,
         bucket_mb: float = 25.0,
         optimizer_partition: str = "auto",
+        fp8: str | None = None,
+        fp8_backend: str = "auto",
+        fp8_skip: Sequence[str] = (),
         zero: ZeroPolicy | None = None,
         pipeline: PipelinePolicy | None = None,
         offload: OffloadPolicy | None = None,
@@ -204,8 +220,12 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         strategy_registry.register("v17", cls, description="V17 ZeRO-3 (FSDP2) on a device mesh", zero_stage=3)
         for stage in (1, 2, 3):
             strategy_registry.register(
-                f"v17_zero{stage}", cls, description=f"V17 ZeRO stage {stage} on a device mesh", zero_stage=stage
-            )
+                f"v17_zero{stage}", cls, description=f"V17 ZeRO stage {stage} on a device mesh", zero_stage=stage,
+            )  # fmt: skip
+        strategy_registry.register(
+            "v17_zero3_offload", cls, zero_stage=3, offload_params="cpu",
+            description="V17 ZeRO-3 with parameters, gradients and the optimizer step on the CPU (FSDP2 CPUOffloadPolicy)",
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ properties
     @property

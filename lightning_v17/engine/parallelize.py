@@ -11,7 +11,10 @@ Why this order (torchtitan's, and Megatron's before it):
 3. **Activation checkpointing** wraps the blocks' ``forward`` after TP (so recomputation replays the TP
    collectives' local ops) and before ``fully_shard`` (whose hooks sit around ``__call__`` and unshard before the
    recomputation).
-4. **FP8** conversion goes here: after TP (torchao's float8 TP styles) and before ZeRO (float8 all-gather).
+4. **FP8** (``engine/fp8.py``): the blocks' Linears become torchao ``Float8Linear`` after the split (each pipeline
+   stage converts its own blocks), after recompute (which patches the blocks' ``forward`` and keeps their children)
+   and before ZeRO, so FSDP2 shards the converted modules (fp32 all-gather today; float8 all-gather and torchao's
+   float8 TP styles are later slices, so fp8 with tp > 1 is refused).
 5. **ZeRO** last; with stage 3 the meta-device model is materialized shard by shard afterwards.
 6. **Replicas agree**: every parameter is broadcast over the axes it is replicated on (``dp_replicate`` for HSDP,
    the whole ``dp`` group at stages 0-2, ``tp`` for tp-replicated parameters), so ranks that drew different random
@@ -36,6 +39,7 @@ from torch import nn
 from lightning_v17.config import Recompute, Tier, TrainingPolicy, V17ConfigError
 from lightning_v17.engine import fsdp as fsdp_engine
 from lightning_v17.engine import zero as zero_engine
+from lightning_v17.engine.fp8 import apply_fp8, check_fp8_composition
 from lightning_v17.engine.recompute import apply_activation_checkpointing
 from lightning_v17.engine.zero_backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime
@@ -55,6 +59,7 @@ class Parallelized:
         pipeline: the pipeline runtime when pp > 1 (``engine.pipeline.PipelineRuntime``), else None.
         units: the repeated blocks (recompute units and ZeRO-3 FSDP units); empty if the model has none.
         recompute: the activation checkpointing mode applied to ``units``.
+        fp8_layers: FQNs of the Linears converted to float8 (empty without ``policy.fp8``).
     """
 
     module: nn.Module
@@ -62,6 +67,7 @@ class Parallelized:
     pipeline: Any
     units: list[nn.Module]
     recompute: Recompute
+    fp8_layers: tuple[str, ...] = ()
 
 
 def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
@@ -71,6 +77,7 @@ def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
         V17ConfigError: naming the option and the fix.
     """
     stage = policy.zero.stage
+    check_fp8_composition(policy.fp8, tp=tp)
     if pp > 1:
         from lightning_v17.engine.pipeline import check_pipeline_composition
         from lightning_v17.planner.schedules import schedule_info
@@ -195,7 +202,7 @@ def parallelize(
     Args:
         module: any ``nn.Module`` (a LightningModule too); parameters may be on the meta device at stage 3.
         mesh: the live 5-axis mesh (``MeshRuntime``).
-        policy: the parsed options (ZeRO, offload, pipeline, recompute, sequence parallel).
+        policy: the parsed options (ZeRO, offload, pipeline, recompute, sequence parallel, FP8).
         device: the device of this rank.
         tp_plan: with tp > 1, the resolved TP plan (``{fqn or wildcard: style}`` or a callable that applies itself;
             see ``lightning_v17.models.tp_plans.resolve_tp_plan``).
@@ -248,7 +255,9 @@ def parallelize(
         apply_tensor_parallel(module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.sequence_parallel)
     units = _units(module, policy)
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 3. recompute the blocks
-    # 4. (FP8 conversion goes here: after TP, before ZeRO's all-gathers.)
+    fp8_layers: tuple[str, ...] = ()
+    if policy.fp8 is not None:  # 4. the blocks' Linears to float8 (engine/fp8.py)
+        fp8_layers = apply_fp8(module, policy=policy.fp8, units=units, device=device)
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model
         module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
     )
@@ -263,6 +272,8 @@ def parallelize(
             loss_fn=loss_fn,
             shift_labels=getattr(pp_layout, "shift_labels", False),
         )
-    out = Parallelized(module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute)
+    out = Parallelized(
+        module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute, fp8_layers=fp8_layers
+    )
     module._v17_parallel = out  # type: ignore[assignment]
     return out

@@ -67,3 +67,13 @@ def test_v17_fit_trains_with_the_alias_by_name(tmp_path):
     out = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out.stdout + out.stderr
+
+
+def test_offload_recipe_alias():
+    """`v17_zero3_offload`: ZeRO-3 with the CPU parameter tier (FSDP2's CPUOffloadPolicy; its parity is in
+    tests/dist/test_zero_parity.py)."""
+    code = (
+        "import lightning_v17, lightning as L; t = L.Trainer(strategy='v17_zero3_offload', accelerator='cpu', "
+        "devices=1, logger=False); s = t.strategy; print(s.zero_stage, s.policy.offload.params.value)"
+    )
+    assert _py(code) == "3 cpu"
