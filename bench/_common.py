@@ -326,3 +326,21 @@ def ratio(results: dict, ours: str, anchor: str, key: str = "tokens_per_s") -> f
 
 def shape_dict(shape: GPTShape) -> dict:
     return {**asdict(shape), "num_params": shape.num_params(), "train_flops_per_token": shape.train_flops_per_token()}
+
+
+def ratio_tables(results: dict, names: Any, pairs: Any) -> dict[str, dict[str, float]]:
+    """``ratios`` (tokens/s) and ``ratios_per_cpu_s`` of every (ours, anchor) pair whose two configurations ran."""
+    run = [(a, b) for a, b in pairs if a in names and b in names]
+    return {
+        "ratios": {f"{a}/{b}": ratio(results, a, b) for a, b in run},
+        "ratios_per_cpu_s": {f"{a}/{b}": ratio(results, a, b, "tokens_per_cpu_s") for a, b in run},
+    }
+
+
+def run_main(main: Any) -> None:
+    """Run a bench's ``main`` with SIGTERM turned into SystemExit, so the launcher's ``finally`` kills the running
+    ranks instead of orphaning them."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    main()

@@ -314,10 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         + ("; DeepSpeed: DeepSpeedCPUAdam (adamw_mode)" if args.ds_optimizer == "cpu_adam" else " for every config"),
         "threads_per_rank": 1,
         "results": results,
-        "ratios": {f"{a}/{b}": C.ratio(results, a, b) for a, b in RATIOS if a in names and b in names},
-        "ratios_per_cpu_s": {
-            f"{a}/{b}": C.ratio(results, a, b, "tokens_per_cpu_s") for a, b in RATIOS if a in names and b in names
-        },
+        **C.ratio_tables(results, names, RATIOS),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     C.emit_json(out, args.json_out)
@@ -325,8 +322,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    import signal
-
-    # SIGTERM -> SystemExit, so the launcher's ``finally`` kills the running ranks instead of orphaning them.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    main()
+    C.run_main(main)
