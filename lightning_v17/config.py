@@ -519,11 +519,6 @@ DEEPSPEED_SUPPORTED_KEYS: frozenset[str] = frozenset({
     "train_batch_size",
 })  # fmt: skip
 
-#: DeepSpeed keys that are accepted silently because they only concern DeepSpeed's own logging or checks.
-_DEEPSPEED_IGNORED_KEYS: frozenset[str] = frozenset({
-    "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
-})  # fmt: skip
-
 #: DeepSpeed keys that are read but have no effect here, with the reason; named in one warning when set.
 DEEPSPEED_NO_EFFECT_KEYS: dict[str, str] = {
     "zero_optimization.overlap_comm": "overlap is not a switch here (FSDP2 overlaps on GPU streams; gloo is "
@@ -531,6 +526,9 @@ DEEPSPEED_NO_EFFECT_KEYS: dict[str, str] = {
     "zero_optimization.contiguous_gradients": "gradient buckets are contiguous by construction",
     "activation_checkpointing.partition_activations": "DeepSpeed's partitioning of checkpointed activations across "
     "model-parallel ranks is not implemented; recompute is V17Strategy(activation_checkpointing=...)",
+    "steps_per_print": "DeepSpeed's own progress printing; Lightning's logger and progress bar report here",
+    "wall_clock_breakdown": "DeepSpeed's own timers; use lightning_v17.callbacks.ThroughputMonitor",
+    "zero_allow_untested_optimizer": "DeepSpeed's own optimizer allow-list; any torch optimizer runs here",
 }
 
 
@@ -577,7 +575,7 @@ def from_deepspeed_config(config: dict[str, Any] | str | Any) -> TrainingPolicy:
         raise V17ConfigError(f"config must be a DeepSpeed config dict or a path to a .json file, got {type(config)}")
 
     flat = {k: v for k, v in _flatten_keys(config).items() if v != "auto"}
-    known = DEEPSPEED_SUPPORTED_KEYS | _DEEPSPEED_IGNORED_KEYS | DEEPSPEED_NO_EFFECT_KEYS.keys()
+    known = DEEPSPEED_SUPPORTED_KEYS | DEEPSPEED_NO_EFFECT_KEYS.keys()
     unknown = sorted(k for k in flat if k not in known)
     no_effect = [f"{k} ({why})" for k, why in DEEPSPEED_NO_EFFECT_KEYS.items() if flat.get(k)]
     if no_effect:

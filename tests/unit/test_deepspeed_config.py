@@ -40,13 +40,16 @@ def test_maps_the_documented_keys() -> None:
 
 def test_keys_without_effect_are_named_with_the_reason_and_not_mismapped() -> None:
     cfg = {"zero_optimization": {"stage": 1, "overlap_comm": True, "contiguous_gradients": True},
-           "activation_checkpointing": {"partition_activations": True}}  # fmt: skip
+           "activation_checkpointing": {"partition_activations": True}, "steps_per_print": 10,
+           "wall_clock_breakdown": True, "zero_allow_untested_optimizer": True}  # fmt: skip
     with pytest.warns(UserWarning) as rec:
         p = from_deepspeed_config(cfg)
     msgs = [str(w.message) for w in rec if "without effect here" in str(w.message)]
     assert len(msgs) == 1
-    for key in ("overlap_comm", "contiguous_gradients", "partition_activations"):
+    for key in ("overlap_comm", "contiguous_gradients", "partition_activations", "steps_per_print",
+                "wall_clock_breakdown", "zero_allow_untested_optimizer"):  # fmt: skip
         assert key in msgs[0]
+    assert not [w for w in rec if "not supported by lightning-v17" in str(w.message)]  # known keys, said once
     # partition_activations partitions activations across model-parallel ranks in DeepSpeed: it is not recompute
     assert p.recompute == Recompute.NONE
 
