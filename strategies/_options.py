@@ -19,8 +19,8 @@ from lightning_v17.config import (
     TrainingPolicy,
     V17ConfigError,
     ZeroPolicy,
-    from_deepspeed_config,
 )
+from lightning_v17.deepspeed_config import from_deepspeed_config
 
 #: Constructor defaults of the options a DeepSpeed config or a policy object can also set.
 DEFAULTS: dict[str, Any] = {

@@ -122,7 +122,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             the flat ZeRO arguments above.
         pipeline: the pipeline options as one :class:`~lightning_v17.config.PipelinePolicy`.
         offload: the offload options as one :class:`~lightning_v17.config.OffloadPolicy`.
-        config: a DeepSpeed JSON config (dict or path), see :func:`lightning_v17.config.from_deepspeed_config`.
+        config: a DeepSpeed JSON config (dict or path), see :func:`lightning_v17.deepspeed_config.from_deepspeed_config`.
             A constructor argument that differs from its default wins over the config; the config wins over
             defaults. ``bf16``/``fp16`` apply only when the Trainer runs at its default ``precision="32-true"``;
             ``gradient_clipping`` / ``gradient_accumulation_steps`` when the Trainer's ``gradient_clip_val`` is

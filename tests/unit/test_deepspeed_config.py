@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_v17.config import Precision, Recompute, V17ConfigError, from_deepspeed_config
+from lightning_v17.config import Precision, Recompute, V17ConfigError
+from lightning_v17.deepspeed_config import from_deepspeed_config
 
 DS = {
     "train_micro_batch_size_per_gpu": 4,

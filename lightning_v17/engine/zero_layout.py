@@ -1,0 +1,89 @@
+"""The ZeRO-0/1/2 partition layout (part of :mod:`lightning_v17.engine.zero`, which re-exports it): which dim-0
+rows of each parameter a rank owns, the per-parameter and per-bucket bookkeeping, and which optimizers may step a
+dim-0 slice (elementwise ones) or need whole parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PARTITIONS", "chunk_rows", "is_elementwise_optimizer"]
+
+
+def chunk_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of dim 0 owned by ``rank`` under ``torch.chunk(dim0, world)`` semantics.
+
+    The chunk size is ``ceil(dim0 / world)``; trailing ranks may own fewer rows or none (the same partition DTensor
+    ``Shard(0)`` and FSDP2 use, so states produced by stages 1, 2 and 3 line up element for element).
+    """
+    size = -(-dim0 // world) if dim0 > 0 else 0
+    start = min(rank * size, dim0)
+    return start, min(start + size, dim0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (a tensor-parallel parameter or gradient), else ``t`` itself.
+
+    ZeRO-0/1/2 partition what this rank holds: with tp > 1 that is the tp shard, and the dp partition is of it.
+    """
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """View ``t`` (or a DTensor's local tensor) as [dim0, rest] (a 0-dim tensor counts as one row)."""
+    t = _local(t)
+    return t.reshape(1, -1) if t.dim() == 0 else t.reshape(t.shape[0], -1)
+
+
+@dataclass
+class _Param:
+    fqn: str
+    param: nn.Parameter
+    rows: int  # dim 0 (1 for a scalar)
+    row_numel: int
+    start: int
+    stop: int
+    padded_rows: int  # ceil(rows / world): the size every rank's segment gets so that collectives have equal sizes
+    shard: nn.Parameter | None = None  # the leaf the optimizer steps (stages 1/2): a view of the local rows
+    owner: int = -1  # partition="params": the dp_shard rank whose optimizer steps this whole parameter
+
+    @property
+    def seg_numel(self) -> int:
+        return self.padded_rows * self.row_numel
+
+
+@dataclass
+class _Bucket:
+    params: list[_Param]
+    seg_numel: int  # elements per rank in the padded [world, seg] layout (stages 1/2)
+    work: Any = None
+    buf: torch.Tensor | None = None  # flat full gradients (stages 0/1) or the [world*seg] reduce-scatter input
+    out: torch.Tensor | None = None  # the [seg] reduce-scatter output (stage 2)
+    ready: set[int] = field(default_factory=set)
+
+
+def _elementwise_optimizers() -> tuple[type, ...]:
+    """torch.optim classes whose update of an element depends only on that element's gradient and state (plus
+    scalars: lr, step count), so stepping a dim-0 slice of a parameter equals slicing the full step."""
+    o = torch.optim
+    names = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+    return tuple(getattr(o, n) for n in names if hasattr(o, n))
+
+
+def is_elementwise_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """True for the elementwise ``torch.optim`` optimizers (see :func:`_elementwise_optimizers`), subclasses
+    included. Anything else (Adafactor's factored rows/columns, LBFGS, Muon, bitsandbytes' block-quantized states,
+    third-party optimizers) is treated as needing whole parameters. An optimizer that declares ``v17_elementwise``
+    (the :mod:`lightning_v17.optim` classes: True for Lion and CPU-Adam, False for the blockwise 8-bit ones and
+    Adafactor) is taken at its word."""
+    declared = getattr(optimizer, "v17_elementwise", None)
+    if declared is not None:
+        return bool(declared)
+    return isinstance(optimizer, _elementwise_optimizers())
+
+
+PARTITIONS = ("auto", "rows", "params")
