@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shlex
 import sys
@@ -25,6 +26,7 @@ from typing import Any
 from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, Tier
 from lightning_v17.planner.hardware import ACCELERATORS
 from lightning_v17.planner.model import PRESETS, Arch, ModelShape, get_preset, with_overrides
+from lightning_v17.planner.pipeline import OpTimes
 from lightning_v17.planner.plan import ClusterSpec, ModelSpec, TrainSpec, make_plan, max_model
 from lightning_v17.planner.report import render_text, to_dict
 
@@ -90,6 +92,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
+    return value
+
+
 def _zero_stage(text: str) -> int:
     if text.strip() not in ("0", "1", "2", "3"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage; choose 0, 1, 2 or 3")
@@ -134,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         "zb-h1 / zb-h2 are Qi 2023's one-stage-per-rank schedules, planner-only (the engine cannot run them)",
     )
     t.add_argument("--virtual-stages", type=_positive_int, help="model chunks per rank (interleaved schedules)")
+    t.add_argument("--op-times", metavar="F,B,W",
+                   help="per-micro-batch forward, input-gradient and weight-gradient times of one stage for the "
+                        "bubble simulation, any unit (default 1,1,1: the FLOP split)")
+    t.add_argument("--op-cv", type=_non_negative_float, default=0.0,
+                   help="coefficient of variation of every op's duration (jitter; default 0); >0 gives the median "
+                        "bubble over sampled steps")
+    t.add_argument("--p2p-time", type=_non_negative_float, default=0.0,
+                   help="one pipeline send/recv, in the unit of --op-times (default 0)")
     t.add_argument("--offload-optimizer", default="none", help="none, cpu or nvme")
     t.add_argument("--offload-params", default="none", help="none, cpu or nvme (ZeRO-3)")
     t.add_argument("--mfu", type=_positive_float, default=0.5,
@@ -204,9 +224,24 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         virtual_stages=args.virtual_stages,
         offload_optimizer=Tier.parse(args.offload_optimizer, "--offload-optimizer"),
         offload_params=Tier.parse(args.offload_params, "--offload-params"),
-        mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s,
+        mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s, op_times=_op_times(args.op_times, args.op_cv),
+        p2p_time=args.p2p_time,
     )  # fmt: skip
     return model, cluster, train
+
+
+def _op_times(text: str | None, cv: float) -> OpTimes | None:
+    """``--op-times F,B,W`` (and ``--op-cv``) as :class:`OpTimes`; None when neither is given."""
+    if text is None:
+        return None if cv == 0 else OpTimes(forward_cv=cv, backward_input_cv=cv, backward_weight_cv=cv)
+    parts = text.split(",")
+    try:
+        values = [float(x) for x in parts]
+    except ValueError:
+        values = []
+    if len(values) != 3 or any(not math.isfinite(x) or x < 0 for x in values) or sum(values) == 0:
+        raise _UsageError(f"--op-times {text!r}: give three non-negative numbers F,B,W (e.g. 1,1,1), not all 0")
+    return OpTimes(*values, forward_cv=cv, backward_input_cv=cv, backward_weight_cv=cv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,11 +15,12 @@ step; the simulation gives them (e.g. (p - 1)/(6m) for both at p = 4, m = 8 with
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from functools import lru_cache
 
 from lightning_v17.config import Schedule
-from lightning_v17.planner.simulate import OpTimes, simulate_schedule
+from lightning_v17.planner.simulate import OpTimes, sample_bubbles, simulate_schedule
 
 __all__ = ["OpTimes", "bubble_fraction"]
 
@@ -38,7 +39,9 @@ def bubble_fraction(
     """Idle fraction of a pipeline step (bubble time / ideal compute time), simulated.
 
     The median over pp ranks of idle / busy in one simulated step (:class:`simulate.Timeline`), the way
-    ``bench/pipeline.py`` aggregates its measured bubbles.
+    ``bench/pipeline.py`` aggregates its measured bubbles. When ``op_times`` give a coefficient of variation
+    (``OpTimes.forward_cv`` etc.), the median over the ranks of 256 seeded sampled steps
+    (:func:`simulate.sample_bubbles`) instead: the expected bubble of a pipeline whose op durations jitter.
 
     Args:
         schedule: the pipeline schedule.
@@ -68,6 +71,11 @@ def _simulated(
     overhead: float,
 ) -> float:  # fmt: skip
     # cached: the planner's max-model search asks for the same layout many times
+    if any(t.varies for t in ((times,) if isinstance(times, OpTimes) else times)):
+        return statistics.median(sample_bubbles(
+            schedule, pp=pp, microbatches=m, virtual_stages=v, op_times=times, p2p_s=p2p, dispatch_s=dispatch,
+            step_overhead_s=overhead,
+        ))  # fmt: skip
     return simulate_schedule(
         schedule, pp=pp, microbatches=m, virtual_stages=v, op_times=times, p2p_s=p2p, dispatch_s=dispatch,
         step_overhead_s=overhead,

@@ -29,7 +29,7 @@ from lightning_v17.planner import resilience as res
 from lightning_v17.planner import throughput as thr
 from lightning_v17.planner.hardware import GB, Accelerator, get_accelerator
 from lightning_v17.planner.model import ModelShape
-from lightning_v17.planner.pipeline import bubble_fraction
+from lightning_v17.planner.pipeline import OpTimes, bubble_fraction
 from lightning_v17.planner.schedules import schedule_info
 
 
@@ -123,6 +123,10 @@ class TrainSpec:
         offload_optimizer, offload_params: tiers.
         mfu: assumed MFU without bubble and recomputation, for the step-time estimate.
         checkpoint_write_s: seconds to write a checkpoint (None: model state / storage bandwidth).
+        op_times: T_F, T_B, T_W of one micro-batch on one stage, with their coefficients of variation, for the
+            pipeline bubble simulation (``planner.pipeline.bubble_fraction``); None: the FLOP split
+            T_F = T_B = T_W and no jitter. Any unit; only the ratios and ``p2p_time`` relative to them matter.
+        p2p_time: one activation/gradient transfer between pipeline ranks, in the unit of ``op_times``.
     """
 
     tp: int | None = None
@@ -144,8 +148,12 @@ class TrainSpec:
     offload_params: Tier = Tier.NONE
     mfu: float = 0.5
     checkpoint_write_s: float | None = None
+    op_times: OpTimes | None = None
+    p2p_time: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.p2p_time < 0:
+            raise ValueError(f"p2p_time={self.p2p_time} must be >= 0")
         object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer))
         object.__setattr__(self, "precision", Precision.parse(self.precision))
         if self.recompute is not None:
@@ -472,7 +480,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         comm_time += c.bytes_per_step / (acc.intra_node_bytes_per_s if intra else acc.inter_node_bytes_per_s)
 
     bubble = bubble_fraction(lay.schedule, pp=lay.pp, microbatches=lay.microbatches,
-                             virtual_stages=lay.virtual_stages)
+                             virtual_stages=lay.virtual_stages, op_times=train.op_times, p2p_s=train.p2p_time)
     tokens = lay.global_batch * lay.seq
     if shape is not None:
         hw = thr.flops_per_token(shape, seq=lay.seq, recompute=lay.recompute) * tokens

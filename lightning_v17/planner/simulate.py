@@ -35,6 +35,8 @@ input and the weight gradient (Qi 2023: T_B = T_W), so T_F = T_B = T_W = 1.
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +50,7 @@ __all__ = [
     "OpTimes",
     "Timeline",
     "dependency",
+    "sample_bubbles",
     "schedule_actions",
     "simulate",
     "simulate_schedule",
@@ -74,20 +77,43 @@ class OpTimes:
         backward_input: T_B, the backward for the input gradient.
         backward_weight: T_W, the backward for the weight gradient. Schedules without the split run one full
             backward of ``backward_input + backward_weight``.
+        forward_cv, backward_input_cv, backward_weight_cv: the coefficient of variation (standard deviation /
+            mean) of each op's duration from one micro-batch to the next. 0 (the default): every action takes
+            exactly its mean. Above 0, :func:`sample_bubbles` draws each action's duration independently, and the
+            planner's bubble is the median over the draws: a pipeline waits on the slowest of its dependencies,
+            so jitter adds idle time that the means alone do not show (on a shared 2-core CPU the measured CVs
+            were 0.05-0.2, and 1F1B at m=8 idled 0.159 against 0.131 from the means; see ``bench/pipeline.py``).
+            The full backward of an unsplit schedule has the combined deviation of its two halves, taken as
+            independent.
     """
 
     forward: float = 1.0
     backward_input: float = 1.0
     backward_weight: float = 1.0
+    forward_cv: float = 0.0
+    backward_input_cv: float = 0.0
+    backward_weight_cv: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward_input", "backward_weight"):
+        for name in ("forward", "backward_input", "backward_weight", "forward_cv", "backward_input_cv",
+                     "backward_weight_cv"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"OpTimes.{name}={getattr(self, name)} must be >= 0")
 
     @property
     def full_backward(self) -> float:
         return self.backward_input + self.backward_weight
+
+    @property
+    def full_backward_cv(self) -> float:
+        """The coefficient of variation of ``full_backward``: the two halves' deviations added as independent."""
+        total = self.full_backward
+        sd = math.hypot(self.backward_input_cv * self.backward_input, self.backward_weight_cv * self.backward_weight)
+        return sd / total if total > 0 else 0.0
+
+    @property
+    def varies(self) -> bool:
+        return bool(self.forward_cv or self.backward_input_cv or self.backward_weight_cv)
 
 
 @dataclass(frozen=True)
@@ -429,3 +455,62 @@ def simulate_schedule(
 
     timed = {r: [(a.op, a.stage, a.microbatch, duration(a)) for a in acts] for r, acts in actions.items()}
     return simulate(timed, num_stages=num_stages, p2p_s=p2p_s, dispatch_s=dispatch_s, step_overhead_s=step_overhead_s)
+
+
+def sample_bubbles(
+    schedule: Schedule | str,
+    *,
+    pp: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    op_times: OpTimes | Sequence[OpTimes] = OpTimes(),
+    p2p_s: float = 0.0,
+    dispatch_s: float = 0.0,
+    step_overhead_s: float = 0.0,
+    samples: int = 256,
+    seed: int = 0,
+) -> list[float]:
+    """``samples`` simulated steps of ``schedule`` whose action durations vary: each action independently takes
+    its stage's mean × max(0, 1 + N(0, cv)) (a Gaussian clipped at zero, with the op's CV from :class:`OpTimes`).
+
+    Returns every rank's idle / busy of every sampled step (``samples × pp`` values), the population that the
+    measured bubble's median is taken over in ``bench/pipeline.py`` (ranks × timed steps). Seeded: the same
+    arguments give the same values. With every CV 0 each value is the deterministic :func:`simulate_schedule`'s.
+
+    Args:
+        schedule, pp, microbatches, virtual_stages, op_times, p2p_s, dispatch_s, step_overhead_s: as in
+            :func:`simulate_schedule`.
+        samples: simulated steps (>= 1).
+        seed: the seed of the draws.
+    """
+    if samples < 1:
+        raise ValueError(f"samples={samples} must be >= 1")
+    actions = schedule_actions(schedule, pp=pp, microbatches=microbatches, virtual_stages=virtual_stages)
+    num_stages = pp * virtual_stages
+    times = [op_times] * num_stages if isinstance(op_times, OpTimes) else list(op_times)
+    if len(times) != num_stages:
+        raise ValueError(f"op_times has {len(times)} entries; expected one per stage ({num_stages})")
+    split = splits_backward(schedule)
+
+    def mean_cv(a: Action) -> tuple[float, float]:
+        t = times[a.stage]
+        if a.op == F:
+            return t.forward, t.forward_cv
+        if a.op == W:
+            return t.backward_weight, t.backward_weight_cv
+        return (t.backward_input, t.backward_input_cv) if split else (t.full_backward, t.full_backward_cv)
+
+    plan = {r: [(a, *mean_cv(a)) for a in acts] for r, acts in actions.items()}
+    rng = random.Random(seed)
+    out: list[float] = []
+    for _ in range(samples):
+        timed = {
+            r: [(a.op, a.stage, a.microbatch, mu * max(0.0, 1.0 + rng.gauss(0.0, cv)) if cv else mu)
+                for a, mu, cv in acts]
+            for r, acts in plan.items()
+        }  # fmt: skip
+        timeline = simulate(
+            timed, num_stages=num_stages, p2p_s=p2p_s, dispatch_s=dispatch_s, step_overhead_s=step_overhead_s
+        )
+        out += list(timeline.bubble_over_busy_per_rank.values())
+    return out

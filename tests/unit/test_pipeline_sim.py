@@ -17,6 +17,7 @@ from lightning_v17.planner.pipeline import bubble_fraction
 from lightning_v17.planner.schedules import SCHEDULES, schedule_info
 from lightning_v17.planner.simulate import (
     OpTimes,
+    sample_bubbles,
     schedule_actions,
     simulate,
     simulate_schedule,
@@ -254,3 +255,60 @@ def test_p2p_and_slower_ops_raise_the_bubble() -> None:
     assert bubble_fraction("1f1b", pp=1, microbatches=4) == 0.0
     with pytest.raises(ValueError, match="must be >= 1"):
         bubble_fraction("1f1b", pp=2, microbatches=0)
+
+
+# --- jitter: op durations that vary from micro-batch to micro-batch --------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
+def test_no_jitter_samples_are_the_deterministic_step(schedule: str) -> None:
+    v = 1 if schedule in ("gpipe", "1f1b") else 2
+    times = OpTimes(1.0, 0.8, 1.2)
+    one = simulate_schedule(schedule, pp=2, microbatches=4, virtual_stages=v, op_times=times, p2p_s=0.05)
+    sampled = sample_bubbles(schedule, pp=2, microbatches=4, virtual_stages=v, op_times=times, p2p_s=0.05, samples=3)
+    assert sampled == list(one.bubble_over_busy_per_rank.values()) * 3
+
+
+def test_jitter_on_one_op_by_hand() -> None:
+    """pp=2, m=1 GPipe is one serial chain F0 -> F1 -> B1 -> B0, so rank 0 idles while rank 1 works: its idle /
+    busy is (F1 + B1) / (F0 + B0) = (F1 + 2) / 3 with T_F = 1 and a full backward of 2, and only stage 1's forward
+    varies. Its mean over the draws is (E[F1] + 2) / 3, and E[F1] = 1 for a CV of 0.2 (the clip at 0 is 5 standard
+    deviations away)."""
+    times = [OpTimes(1.0, 1.0, 1.0), OpTimes(1.0, 1.0, 1.0, forward_cv=0.2)]
+    vals = sample_bubbles("gpipe", pp=2, microbatches=1, op_times=times, samples=4000, seed=3)
+    rank0, rank1 = vals[0::2], vals[1::2]
+    f1 = [3 * x - 2 for x in rank0]  # solve rank 0's bubble for the drawn F1
+    mean = sum(f1) / len(f1)
+    sd = (sum((x - mean) ** 2 for x in f1) / len(f1)) ** 0.5
+    assert abs(mean - 1.0) < 0.015 and abs(sd - 0.2) < 0.015, (mean, sd)
+    assert all(abs(b - 3 / (f + 2)) < 1e-12 for b, f in zip(rank1, f1))  # rank 1 idles for F0 + B0 = 3
+
+
+def test_jitter_raises_the_1f1b_bubble_and_is_seeded() -> None:
+    """A pipeline waits on the slower of two dependencies, so jitter adds idle time the means do not show (1F1B at
+    m=8 on this CPU: 0.159 measured against 0.131 from the mean op times, 0.163 with their CVs)."""
+    flat = bubble_fraction("1f1b", pp=2, microbatches=8)
+    cv = OpTimes(forward_cv=0.15, backward_input_cv=0.15, backward_weight_cv=0.15)
+    jittered = bubble_fraction("1f1b", pp=2, microbatches=8, op_times=cv)
+    assert flat == pytest.approx(1 / 8)
+    assert jittered > flat + 0.02, (jittered, flat)
+    assert sample_bubbles("1f1b", pp=2, microbatches=8, op_times=cv, samples=5, seed=1) == sample_bubbles(
+        "1f1b", pp=2, microbatches=8, op_times=cv, samples=5, seed=1
+    )
+    assert OpTimes(1.0, 1.0, 3.0, backward_input_cv=0.2, backward_weight_cv=0.1).full_backward_cv == pytest.approx(
+        (0.2**2 + 0.3**2) ** 0.5 / 4
+    )
+
+
+def test_v17_plan_takes_op_times_jitter_and_p2p() -> None:
+    def bubble(*extra: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "-m", "lightning_v17.cli", "plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2",
+             "--pp", "2", "--microbatches", "8", "--schedule", "1f1b", "--json", *extra],
+            capture_output=True, text=True, check=True, cwd=ROOT,
+        )  # fmt: skip
+        return json.loads(out.stdout)["pipeline"]["bubble_fraction"]
+
+    assert bubble() == pytest.approx(1 / 8)
+    assert bubble("--op-times", "1,1,1", "--p2p-time", "0.1") > 1 / 8 + 0.01
+    assert bubble("--op-cv", "0.15") > 1 / 8 + 0.02
