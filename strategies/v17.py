@@ -90,7 +90,8 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             an error. None: the LightningModule's or the model's own plan.
         pp_split_points: FQNs of the blocks that start pipeline stages 2..n (e.g. ``["model.layers.2"]``); None:
             the LightningModule's ``pipeline_split_points()``, else balanced by parameter count.
-        pp_schedule: pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" or "zbv".
+        pp_schedule: pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv" or "zb_h1"
+            (Qi 2023's ZB-H1: one stage per rank with the backward split into input and weight gradients).
         microbatches: pipeline micro-batches per optimizer step; the per-rank batch size must be a multiple of it.
         virtual_stages: model chunks per pipeline rank (interleaved / zero-bubble schedules).
         offload_optimizer: where optimizer state lives: "none", "cpu" or "nvme".

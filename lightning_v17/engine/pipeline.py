@@ -56,7 +56,7 @@ from lightning_v17.engine.pipeline_split import (
 )
 from lightning_v17.engine.pipeline_timing import BubbleTimer, replay_actions
 from lightning_v17.engine.pipeline_watch import PeerFailureWatch
-from lightning_v17.planner.schedules import Placement, schedule_info
+from lightning_v17.planner.schedules import schedule_info
 
 __all__ = [
     "BubbleTimer",
@@ -304,7 +304,8 @@ def build_schedule(
     """Wrap the local stages in ``PipelineStage`` objects and build the schedule ``policy`` names.
 
     The schedule class is the ``torch_class`` of the schedule's row in ``lightning_v17.planner.schedules``, looked
-    up in ``torch.distributed.pipelining``; single-stage placements get the one local stage, the others the list.
+    up in ``torch.distributed.pipelining``; single-stage runtimes get the one local stage, multi-stage runtimes
+    (``PipelineScheduleMulti``, including ZB-H1's one stage per rank) the list.
 
     Args:
         stage_modules: the stages from :func:`split_model` (after TP/recompute/ZeRO-1 were applied to the model).
@@ -345,7 +346,7 @@ def build_schedule(
     stages = [pipelining.PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
     loss = PipelineLoss(loss_fn)
     m = policy.microbatches
-    local = stages[0] if info.placement == Placement.SINGLE else stages
+    local = stages if info.multi_stage_runtime else stages[0]  # ZB-H1: one stage, in the multi-stage runtime
     schedule = cls(local, n_microbatches=m, loss_fn=loss, scale_grads=False)
     timer = BubbleTimer()
     for st in stages:

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--schedule",
         help="pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zero_bubble (torch's interleaved zero bubble), zbv; "
-        "zb-h1 / zb-h2 are Qi 2023's one-stage-per-rank schedules, planner-only (the engine cannot run them)",
+        "zb-h1 / zb-h2 are Qi 2023's one-stage-per-rank schedules (the engine runs zb-h1; zb-h2 is planner-only)",
     )
     t.add_argument("--virtual-stages", type=_positive_int, help="model chunks per rank (interleaved schedules)")
     t.add_argument("--op-times", metavar="F,B,W",

@@ -64,6 +64,12 @@ class ScheduleInfo:
         return self.placement != Placement.SINGLE
 
     @property
+    def multi_stage_runtime(self) -> bool:
+        """Whether torch's class is a multi-stage runtime (``PipelineScheduleMulti``: it takes a list of stages and
+        runs ``max(1, m // p)`` rounds), even for a one-stage-per-rank placement (ZB-H1)."""
+        return self.torch_class in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+
+    @property
     def runnable(self) -> bool:
         """Whether ``lightning_v17.engine.pipeline`` can run it (a torch.distributed.pipelining schedule exists)."""
         return self.torch_class is not None
@@ -115,7 +121,8 @@ class ScheduleInfo:
                 f"pp_schedule={name!r} needs microbatches >= pp stages: microbatches={m} < pp={p}; set "
                 f"microbatches >= {p}"
             )
-        if self.placement == Placement.LOOP and self.runnable and m % max(1, m // p) != 0:
+        rounds = self.torch_class in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+        if rounds and m % max(1, m // p) != 0:
             ok = [k for k in range(p, 4 * p + 1) if k % max(1, k // p) == 0]
             raise V17ConfigError(
                 f"pp_schedule={name!r} runs microbatches // pp rounds and needs microbatches to be a multiple of "
@@ -150,10 +157,11 @@ SCHEDULES: dict[Schedule, ScheduleInfo] = {
         ScheduleInfo(
             Schedule.ZERO_BUBBLE, Placement.LOOP, "ScheduleInterleavedZeroBubble", "p", "Qi 2023 ZB-1P, looped", True
         ),
-        # Qi's handcrafted ZB-H1/ZB-H2 run one stage per rank; torch 2.13 has no class for them (its
-        # ScheduleInterleavedZeroBubble computes ZB-H1's order when given one stage per rank, a list of one; the
-        # engine passes single-placement schedules a bare stage), so they are planner-only.
-        ScheduleInfo(Schedule.ZB_H1, Placement.SINGLE, None, "p", "Qi 2023 §3.1", True),
+        # Qi's handcrafted ZB-H1 runs one stage per rank; torch 2.13 has no class of that name, but its
+        # ScheduleInterleavedZeroBubble given one stage per rank (a list of one) computes exactly ZB-H1's order
+        # (tests/unit/test_pipeline_sim.py compares the two), so the engine runs ZB-H1 through it. ZB-H2 (2p - 1
+        # warm-up forwards) has no torch implementation: planner-only.
+        ScheduleInfo(Schedule.ZB_H1, Placement.SINGLE, "ScheduleInterleavedZeroBubble", "p", "Qi 2023 §3.1", True),
         ScheduleInfo(Schedule.ZB_H2, Placement.SINGLE, None, "2p-1", "Qi 2023 §3.2", True),
         ScheduleInfo(Schedule.ZBV, Placement.V, "ScheduleZBVZeroBubble", "p", "Qi 2023 §6", True),
     )

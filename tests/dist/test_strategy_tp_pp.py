@@ -33,6 +33,8 @@ SCHEDULE_CASES = {
                              "microbatches": 2},
     "pp2_zero_bubble": {"pp": 2, "zero_stage": 1, "pp_schedule": "zero_bubble", "virtual_stages": 2,
                         "microbatches": 2},
+    # Qi's ZB-H1: one stage per rank (2 blocks each), split backward, through torch's interleaved zero-bubble runtime
+    "pp2_zb_h1": {"pp": 2, "zero_stage": 1, "pp_schedule": "zb_h1", "microbatches": 2},
 }  # fmt: skip
 # fp16 with dynamic loss scaling (Lightning's CPU "16-mixed" turns into bf16 without a scaler; the DeepSpeed-style
 # config builds MixedPrecision("16-mixed") with a GradScaler). The pipeline back-propagates loss * scale itself; the

@@ -235,15 +235,21 @@ def test_paper_figures_from_v17_plan_json() -> None:
         pipe = json.loads(out.stdout)["pipeline"]
         assert pipe["bubble_fraction"] == pytest.approx(bubble), (name, pipe)
         assert pipe["virtual_stages"] == v, (name, pipe)
-    # zb-h1 is Qi's ZB-H1, one stage per rank, and the recommendation says the engine cannot run it
-    assert pipe["schedule"] == "zb_h1" and pipe["runnable"] is False
+    # zb-h1 is Qi's ZB-H1, one stage per rank, which the engine runs (torch's interleaved zero-bubble runtime with
+    # one stage per rank); ZB-H2 has no torch implementation and the recommendation says so
+    assert pipe["schedule"] == "zb_h1" and pipe["runnable"] is True
+    argv[argv.index("zb-h1")] = "zb-h2"
+    out = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         check=True)  # fmt: skip
+    assert json.loads(out.stdout)["pipeline"]["runnable"] is False
     notes = json.loads(out.stdout)["recommendation"]["notes"]
-    assert any("'zb_h1'" in n and "cannot run" in n for n in notes), notes
+    assert any("'zb_h2'" in n and "cannot run" in n for n in notes), notes
 
 
 def test_zb_h1_is_not_the_interleaved_zero_bubble_schedule() -> None:
     assert Schedule.parse("zb-h1") is Schedule.ZB_H1 is not Schedule.ZERO_BUBBLE
-    assert not schedule_info("zb_h1").multi_chunk and not schedule_info("zb_h1").runnable
+    assert not schedule_info("zb_h1").multi_chunk and schedule_info("zb_h1").runnable
+    assert schedule_info("zb_h1").multi_stage_runtime and not schedule_info("zb_h2").runnable
     assert schedule_info("zero_bubble").runnable and schedule_info("zbv").runnable
     with pytest.raises(V17ConfigError, match="virtual_stages=1"):
         schedule_actions("zb_h1", pp=4, microbatches=8, virtual_stages=2)
