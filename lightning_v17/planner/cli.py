@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nvme-gbps", type=_positive_float, default=3.0, help="NVMe GB/s per rank")
     c.add_argument("--storage-gbps", type=_positive_float, default=5.0, help="checkpoint write GB/s per node")
     c.add_argument("--node-mtbf-hours", type=_positive_float, default=6000.0, help="MTBF of one node, hours")
+    c.add_argument("--memory-reserve", type=_non_negative_float, default=0.1,
+                   help="fraction of device memory kept free for the CUDA context, NCCL buffers and allocator "
+                        "fragmentation (default 0.1); a plan fits within the rest")
     c.add_argument("--checkpoint-write-s", type=_positive_float, help="checkpoint write time (default: estimated)")
     t = p.add_argument_group("layout and training (unset: chosen by the decision tree)")
     for flag in ("tp", "pp", "dp", "cp"):
@@ -212,7 +215,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
     cluster = ClusterSpec(
         gpu=args.gpu or defaults.get("gpu", "h100-80gb"), gpus=gpus, gpus_per_node=args.gpus_per_node,
         pcie_gbps=args.pcie_gbps, nvme_gbps=args.nvme_gbps, storage_gbps=args.storage_gbps,
-        node_mtbf_hours=args.node_mtbf_hours,
+        node_mtbf_hours=args.node_mtbf_hours, memory_reserve=args.memory_reserve,
     )  # fmt: skip
     train = TrainSpec(
         tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, zero_stage=args.zero_stage,

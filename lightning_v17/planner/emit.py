@@ -195,7 +195,8 @@ def emit_config(plan: Plan) -> EmittedConfig:
         (f"  layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero_stage} sp={'on' if lay.sp else 'off'} "
          f"recompute={lay.recompute.value} schedule={lay.schedule.value if lay.pp > 1 else '-'} | "
          f"{lay.optimizer.value} {lay.precision.value}"),
-        (f"  per-rank device memory: {fmt_bytes(gpu_bytes)} of {fmt_bytes(acc.memory_bytes)} "
+        (f"  per-rank device memory: {fmt_bytes(gpu_bytes)} of {fmt_bytes(plan.cluster.usable_memory_bytes)} usable "
+         f"({fmt_bytes(acc.memory_bytes)} less a {plan.cluster.memory_reserve:.0%} reserve) "
          f"({'fits' if plan.fits else 'DOES NOT FIT'}); cpu {fmt_bytes(plan.memory.tiers.cpu)}, "
          f"nvme {fmt_bytes(plan.memory.tiers.nvme)}"),
         (f"  batch: global {lay.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch} x m "

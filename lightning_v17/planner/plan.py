@@ -81,6 +81,11 @@ class ClusterSpec:
         node_mtbf_hours: mean time between failures of one node, hours. The default, 6000 h, is what Meta's
             Llama 3 run saw (Dubey 2024 §3.3.4: 419 unexpected interruptions in 54 days on 16,384 GPUs, i.e. one per
             ~50,700 GPU-hours, ~6,300 h per 8-GPU node).
+        memory_reserve: fraction of each device's memory the plan leaves free, in [0, 0.9]: what the buckets do not
+            count (the CUDA context, NCCL's communication buffers, the caching allocator's fragmentation and
+            whatever else a process holds). A plan "fits" when its device bytes stay within the rest
+            (:attr:`usable_memory_bytes`). Default 0.1: 8 GB of an 80 GB H100, about what a CUDA context
+            (~0.5-1 GB), NCCL buffers (~1-2 GB) and a few percent of fragmentation take. 0 plans to the last byte.
     """
 
     gpu: str = "h100-80gb"
@@ -90,8 +95,11 @@ class ClusterSpec:
     nvme_gbps: float = 3.0
     storage_gbps: float = 5.0
     node_mtbf_hours: float = 6000.0
+    memory_reserve: float = 0.1
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.memory_reserve, (int, float)) and 0 <= self.memory_reserve <= 0.9):
+            raise V17ConfigError(f"memory_reserve={self.memory_reserve!r} must be a fraction in [0, 0.9]")
         get_accelerator(self.gpu)
         _positive("gpus", self.gpus)
         _positive("gpus_per_node", self.gpus_per_node)
@@ -101,6 +109,11 @@ class ClusterSpec:
     @property
     def accelerator(self) -> Accelerator:
         return get_accelerator(self.gpu)
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """Device bytes a plan may use: the accelerator's memory less ``memory_reserve``."""
+        return int(self.accelerator.memory_bytes * (1.0 - self.memory_reserve))
 
 
 @dataclass(frozen=True)
@@ -246,10 +259,12 @@ class Plan:
     daly_s: float
     warnings: tuple[str, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: the op times the bubble was simulated with, in words ("T_F = T_B = T_W" by default)
+    bubble_inputs: str = "T_F = T_B = T_W"
 
     @property
     def fits(self) -> bool:
-        return self.memory.tiers.gpu <= self.cluster.accelerator.memory_bytes
+        return self.memory.tiers.gpu <= self.cluster.usable_memory_bytes
 
     @property
     def comm_bytes_per_step(self) -> int:
@@ -422,7 +437,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     def state_fits(tp: int, pp: int) -> bool:
         dp = (world // (tp * pp)) if world else (train.dp or 1)
         st = mem.model_state_bytes_per_rank(num_params, zero_stage=1, dp=dp, tp=tp, pp=pp)
-        return st.total <= acc.memory_bytes / 2
+        return st.total <= cluster.usable_memory_bytes / 2
 
     rec = recipes.recommend(
         num_params, gpus=world, gpus_per_node=gpn, nvlink=acc.nvlink, layers=shape.layers if shape else None,
@@ -437,14 +452,14 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     rec_cluster = cluster if world else replace(cluster, gpus=rec.tp * rec.pp * (train.dp or 1))
     try:
         rec_layout = _layout(model, rec_cluster, rec_train, rec, Recompute.NONE)
-        rec_recompute = _cheapest_recompute(model, rec_layout, acc.memory_bytes)
+        rec_recompute = _cheapest_recompute(model, rec_layout, cluster.usable_memory_bytes)
     except V17ConfigError:  # e.g. a --global-batch that only the user's dp divides
         rec_recompute = Recompute.SELECTIVE
 
     layout = _layout(model, cluster, train, rec, train.recompute or Recompute.NONE)
     _validate(model, train, layout)
     if train.recompute is None:
-        layout = replace(layout, recompute=_cheapest_recompute(model, layout, acc.memory_bytes))
+        layout = replace(layout, recompute=_cheapest_recompute(model, layout, cluster.usable_memory_bytes))
     memory = memory_for(model, layout)
     lay = layout
 
@@ -523,7 +538,8 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
                      "give --model or the shape flags")
     elif shape.arch == "gpt" and lay.seq > shape.seq:
         warnings.append(f"seq={lay.seq} exceeds the learned position table ({shape.seq}) of this gpt shape")
-    fit = recipes.fit_warning(memory.tiers.gpu, acc.memory_bytes, name=acc.name)
+    fit = recipes.fit_warning(memory.tiers.gpu, cluster.usable_memory_bytes, name=acc.name,
+                              total_bytes=acc.memory_bytes)
     if fit:
         warnings.append(fit)
     return Plan(
@@ -533,7 +549,19 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         offload_time_s=offload_s,
         checkpoint_write_s=write_s, cluster_mtbf_s=mtbf_s, young_s=res.young_interval_s(write_s, mtbf_s),
         daly_s=res.daly_interval_s(write_s, mtbf_s), warnings=tuple(warnings), notes=tuple(notes),
+        bubble_inputs=_bubble_inputs(train),
     )  # fmt: skip
+
+
+def _bubble_inputs(train: TrainSpec) -> str:
+    """The op times of the bubble simulation, in words, for the report."""
+    t = train.op_times
+    words = "T_F = T_B = T_W" if t is None else f"T_F:T_B:T_W = {t.forward:g}:{t.backward_input:g}:{t.backward_weight:g}"
+    if t is not None and t.varies:
+        words += f", CV {t.forward_cv:g}/{t.backward_input_cv:g}/{t.backward_weight_cv:g}"
+    if train.p2p_time:
+        words += f", P2P {train.p2p_time:g}"
+    return words
 
 
 @dataclass(frozen=True)
@@ -555,7 +583,7 @@ def max_model(plan: Plan) -> MaxModel | None:
     does not fit; with ``params`` only, offloading can leave nothing on the device that grows with Ψ, and then
     the result is ``bounded=False`` (device memory sets no limit).
     """
-    budget = plan.cluster.accelerator.memory_bytes
+    budget = plan.cluster.usable_memory_bytes
     lay = plan.layout
     if plan.model.shape is not None:
         base = plan.model.shape

@@ -93,6 +93,11 @@ def write_plot(plan: Plan, path: str | Path, *, dpi: int = 110) -> Path:
     ax_mem.axhline(acc.memory_bytes / GB, color="#D55E00", linestyle="--", linewidth=1.2)
     ax_mem.annotate(f"{acc.name}: {fmt_bytes(acc.memory_bytes)} per device", (-0.45, acc.memory_bytes / GB),
                     ha="left", va="bottom", fontsize=8, color="#D55E00")
+    usable = plan.cluster.usable_memory_bytes
+    if usable != acc.memory_bytes:
+        ax_mem.axhline(usable / GB, color="#D55E00", linestyle=":", linewidth=1.0)
+        ax_mem.annotate(f"usable: {fmt_bytes(usable)} ({plan.cluster.memory_reserve:.0%} reserved)",
+                        (-0.45, usable / GB), ha="left", va="top", fontsize=8, color="#D55E00")
     ax_mem.set_ylim(0, max(max(bottoms), acc.memory_bytes / GB) * 1.4)  # headroom for the legend
     ax_mem.set_ylabel("GB per rank (1e9 bytes)")
     fits = "fits" if plan.fits else "does NOT fit"

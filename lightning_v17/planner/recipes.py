@@ -183,12 +183,17 @@ def anti_pattern_warnings(
     return warnings
 
 
-def fit_warning(gpu_bytes: int, memory_bytes: int, *, name: str) -> str | None:
-    """The "does not fit in N GB" warning, or None when the plan fits (GB = 1e9 bytes)."""
+def fit_warning(gpu_bytes: int, memory_bytes: int, *, name: str, total_bytes: int | None = None) -> str | None:
+    """The "does not fit in N GB" warning, or None when the plan fits (GB = 1e9 bytes). ``memory_bytes`` is what a
+    plan may use; ``total_bytes`` the device's memory when a reserve is kept (``ClusterSpec.memory_reserve``)."""
     if gpu_bytes <= memory_bytes:
         return None
+    where = f"{memory_bytes / 1e9:.0f} GB ({name})"
+    if total_bytes is not None and total_bytes != memory_bytes:
+        where = (f"the {memory_bytes / 1e9:.0f} GB a plan may use of {total_bytes / 1e9:.0f} GB ({name}; "
+                 f"--memory-reserve keeps the rest free)")
     return (
-        f"does not fit in {memory_bytes / 1e9:.0f} GB ({name}): needs {gpu_bytes / 1e9:.1f} GB per rank; "
+        f"does not fit in {where}: needs {gpu_bytes / 1e9:.1f} GB per rank; "
         f"try recompute, more tp/pp/dp, a higher zero_stage or offload"
     )
 

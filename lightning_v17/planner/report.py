@@ -129,8 +129,10 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
                f"(Ψ/(tp·pp) = {fmt_count(slice_params)})")
     t = m.tiers
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    out.append(f"{'total':<14} {fmt_bytes(m.total)}: gpu {fmt_bytes(t.gpu)} of {fmt_bytes(acc.memory_bytes)} "
-               f"({verdict}), cpu {fmt_bytes(t.cpu)}, nvme {fmt_bytes(t.nvme)}")
+    usable = plan.cluster.usable_memory_bytes
+    out.append(f"{'total':<14} {fmt_bytes(m.total)}: gpu {fmt_bytes(t.gpu)} of {fmt_bytes(usable)} usable "
+               f"({fmt_bytes(acc.memory_bytes)} less a {plan.cluster.memory_reserve:.0%} reserve) ({verdict}), "
+               f"cpu {fmt_bytes(t.cpu)}, nvme {fmt_bytes(t.nvme)}")
     out.append("")
     out.append(f"comm    : {fmt_bytes(plan.comm_bytes_per_step)} per step per rank, "
                f"~{fmt_seconds(plan.comm_time_s)} if not overlapped")
@@ -139,7 +141,7 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     if lay.pp > 1:
         runs = "" if schedule_info(lay.schedule).runnable else " (planner-only: the engine cannot run it)"
         out.append(f"pipeline: {lay.schedule.value} p={lay.pp} m={lay.microbatches} v={lay.virtual_stages}: "
-                   f"bubble {plan.bubble:.1%} of ideal compute time (simulated, T_F = T_B = T_W){runs}")
+                   f"bubble {plan.bubble:.1%} of ideal compute time (simulated, {plan.bubble_inputs}){runs}")
     else:
         out.append("pipeline: none (pp=1), bubble 0%")
     rec_txt = "no recompute" if lay.recompute.value == "none" else f"{lay.recompute.value} recompute"
@@ -162,7 +164,8 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
                        "host/NVMe capacity is the limit)")
         else:
             depth = f" ({max_model.layers} layers)" if max_model.layers is not None else ""
-            out.append(f"max model: {fmt_count(max_model.params)} params{depth} fit in {fmt_bytes(acc.memory_bytes)} "
+            out.append(f"max model: {fmt_count(max_model.params)} params{depth} fit in "
+                       f"{fmt_bytes(plan.cluster.usable_memory_bytes)} "
                        f"per rank with this layout ({fmt_bytes(max_model.gpu_bytes)} used)")
     out.append("")
     rec = plan.recommendation
@@ -194,6 +197,7 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
         "cluster": {
             "gpu": acc.name, "gpus": lay.gpus, "gpus_per_node": plan.cluster.gpus_per_node or acc.gpus_per_node,
             "nodes": plan.nodes, "memory_bytes": int(acc.memory_bytes),
+            "memory_reserve": plan.cluster.memory_reserve, "usable_memory_bytes": plan.cluster.usable_memory_bytes,
             "peak_flops": acc.peak_flops_for(lay.precision),
         },
         "layout": {
@@ -219,7 +223,7 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
         },
         "pipeline": {"schedule": lay.schedule.value, "stages": lay.pp, "microbatches": lay.microbatches,
                      "virtual_stages": lay.virtual_stages, "bubble_fraction": plan.bubble,
-                     "bubble_method": "simulated", "runnable": schedule_info(lay.schedule).runnable},
+                     "bubble_method": "simulated", "bubble_inputs": plan.bubble_inputs, "runnable": schedule_info(lay.schedule).runnable},
         "flops": {"per_step": plan.flops_per_step, "model_per_step": plan.model_flops_per_step,
                   "step_time_s": plan.step_time_s, "mfu_assumed": plan.mfu_assumed, "mfu_effective": plan.mfu,
                   "tokens_per_s": lay.global_batch * lay.seq / plan.step_time_s},

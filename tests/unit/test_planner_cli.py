@@ -99,7 +99,7 @@ def test_anti_pattern_warnings(capsys):
     assert any("TP across nodes" in x for x in w)
     out = _plan(capsys, "--model", "llama3-70b", "--gpus", "8")
     assert out["fits"] is False
-    assert any("does not fit in 80 GB" in x for x in out["recommendation"]["warnings"])
+    assert any("does not fit in the 72 GB a plan may use of 80 GB" in x for x in out["recommendation"]["warnings"])
 
 
 def test_offload_moves_buckets_to_tiers(capsys):
@@ -114,9 +114,29 @@ def test_offload_moves_buckets_to_tiers(capsys):
 
 def test_max_model_params_only(capsys):
     # ZeRO-3 over dp=8, mixed AdamW: 16 B / 8 = 2 B per parameter on each rank, no temps without a shape;
-    # a100-40gb: 40e9 B / 2 B = 20e9 parameters
+    # a100-40gb less the default 10% reserve: 36e9 B / 2 B = 18e9 parameters; with no reserve 40e9 / 2 = 20e9
     out = _plan(capsys, "--params", "1e9", "--dp", "8", "--zero-stage", "3", "--gpu", "a100-40gb", "--max-model")
+    assert out["max_model"]["params"] == pytest.approx(18e9, rel=1e-5)
+    assert out["cluster"]["usable_memory_bytes"] == 36_000_000_000
+    out = _plan(capsys, "--params", "1e9", "--dp", "8", "--zero-stage", "3", "--gpu", "a100-40gb", "--max-model",
+                "--memory-reserve", "0")
     assert out["max_model"]["params"] == pytest.approx(20e9, rel=1e-5)
+
+
+def test_memory_reserve_decides_what_fits(capsys):
+    # llama3-8b's width on 8 H100 with ZeRO-3 and full recompute: the first depth whose plan needs more than the
+    # 72 GB left by the default 10% reserve still fits in all 80 GB (8 more layers add < 8 GB here): not fitting
+    # with the reserve, fitting without it.
+    def gpu(layers: int, *reserve: str) -> dict:
+        return _plan(capsys, "--model", "llama3-8b", "--gpus", "8", "--layers", str(layers), "--tp", "1", "--pp",
+                     "1", "--zero-stage", "3", "--recompute", "full", *reserve)  # fmt: skip
+
+    layers = next(n for n in range(32, 4000, 8) if gpu(n)["tiers"]["gpu_bytes"] > 72e9)
+    between = gpu(layers)
+    assert between["tiers"]["gpu_bytes"] <= 80e9, between["tiers"]  # the 8-layer step is < 8 GB here
+    assert between["fits"] is False and gpu(layers, "--memory-reserve", "0")["fits"] is True
+    assert "memory_reserve=0.95 must be a fraction in [0, 0.9]" in _error(capsys, "--model", "tiny",
+                                                                          "--memory-reserve", "0.95")
 
 
 def test_max_model_with_shape_is_the_deepest_that_fits(capsys):
