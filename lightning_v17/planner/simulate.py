@@ -438,6 +438,16 @@ def simulate_schedule(
             e.g. measured means). Schedules without the B/W split run ``full_backward`` as their B.
         p2p_s, dispatch_s, step_overhead_s: as in :func:`simulate` (all default to 0: the ideal runtime).
     """
+    plan, num_stages = _actions_with_times(schedule, pp, microbatches, virtual_stages, op_times)
+    timed = {r: [(a.op, a.stage, a.microbatch, mu) for a, mu, _ in acts] for r, acts in plan.items()}
+    return simulate(timed, num_stages=num_stages, p2p_s=p2p_s, dispatch_s=dispatch_s, step_overhead_s=step_overhead_s)
+
+
+def _actions_with_times(
+    schedule: Schedule | str, pp: int, microbatches: int, virtual_stages: int, op_times: OpTimes | Sequence[OpTimes]
+) -> tuple[dict[int, list[tuple[Action, float, float]]], int]:
+    """Per rank, ``(action, mean duration, CV)`` of the schedule's actions, and the number of global stages.
+    Schedules without the B/W split run ``full_backward`` (with its combined CV) as their B."""
     actions = schedule_actions(schedule, pp=pp, microbatches=microbatches, virtual_stages=virtual_stages)
     num_stages = pp * virtual_stages
     times = [op_times] * num_stages if isinstance(op_times, OpTimes) else list(op_times)
@@ -445,16 +455,15 @@ def simulate_schedule(
         raise ValueError(f"op_times has {len(times)} entries; expected one per stage ({num_stages})")
     split = splits_backward(schedule)
 
-    def duration(a: Action) -> float:
+    def mean_cv(a: Action) -> tuple[float, float]:
         t = times[a.stage]
         if a.op == F:
-            return t.forward
+            return t.forward, t.forward_cv
         if a.op == W:
-            return t.backward_weight
-        return t.backward_input if split else t.full_backward
+            return t.backward_weight, t.backward_weight_cv
+        return (t.backward_input, t.backward_input_cv) if split else (t.full_backward, t.full_backward_cv)
 
-    timed = {r: [(a.op, a.stage, a.microbatch, duration(a)) for a in acts] for r, acts in actions.items()}
-    return simulate(timed, num_stages=num_stages, p2p_s=p2p_s, dispatch_s=dispatch_s, step_overhead_s=step_overhead_s)
+    return {r: [(a, *mean_cv(a)) for a in acts] for r, acts in actions.items()}, num_stages
 
 
 def sample_bubbles(
@@ -485,22 +494,7 @@ def sample_bubbles(
     """
     if samples < 1:
         raise ValueError(f"samples={samples} must be >= 1")
-    actions = schedule_actions(schedule, pp=pp, microbatches=microbatches, virtual_stages=virtual_stages)
-    num_stages = pp * virtual_stages
-    times = [op_times] * num_stages if isinstance(op_times, OpTimes) else list(op_times)
-    if len(times) != num_stages:
-        raise ValueError(f"op_times has {len(times)} entries; expected one per stage ({num_stages})")
-    split = splits_backward(schedule)
-
-    def mean_cv(a: Action) -> tuple[float, float]:
-        t = times[a.stage]
-        if a.op == F:
-            return t.forward, t.forward_cv
-        if a.op == W:
-            return t.backward_weight, t.backward_weight_cv
-        return (t.backward_input, t.backward_input_cv) if split else (t.full_backward, t.full_backward_cv)
-
-    plan = {r: [(a, *mean_cv(a)) for a in acts] for r, acts in actions.items()}
+    plan, num_stages = _actions_with_times(schedule, pp, microbatches, virtual_stages, op_times)
     rng = random.Random(seed)
     out: list[float] = []
     for _ in range(samples):
