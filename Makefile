@@ -29,8 +29,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests -m "not fault"
 
-# The longer fault-tolerance checks (a hung rank under torchrun, ~1 min each); `python bench/fault.py --tries 10` for
-# the 10 consecutive restarts of the acceptance.
+# The longer fault-tolerance checks (a hung rank under torchrun, ~1 min; one of two torchrun agents killed and a new one
+# joining, 2 -> 1 -> 2 nodes, ~2 min); `python bench/fault.py --tries 10` for the 10 consecutive restarts of the
+# acceptance, `python bench/fault.py --scenario agent-kill --tries 3` for the resize.
 test-fault: $(STAMP)
 	$(PY) -m pytest -q tests -m fault
 

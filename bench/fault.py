@@ -13,6 +13,15 @@ losses are compared (==) with one uninterrupted launch of the same job. The even
 * ``first_step_s``: the first training step after the restore.
 
 Prints one JSON object. ``python bench/fault.py --tries 10`` (about 7 minutes on 2 cores).
+
+``--scenario agent-kill`` (``tests/dist/test_elastic_agents.py``): two torchrun agents (``--nnodes=1:2``, c10d
+rendezvous) stand for two nodes; the second is SIGKILLed with its worker after step 5, the survivor re-forms at world
+size 1 and resumes from the newest complete checkpoint, then a third agent joins and the group finishes the epoch at
+world size 2. Each try checks the sample ids (each of the epoch's exactly once) and the losses against a
+single-process replay, and splits the kill-to-first-step time into detection (the kill until the survivor's worker
+fails), rendezvous (until its agent has re-formed the group and started a new worker: dead-node expiry and the
+last-call wait, set by ``--rdzv-conf``), Python imports, group formation, load (set-up and checkpoint restore) and
+the first step.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.dist.test_elastic_agents import check, run_agent_kill
 from tests.dist.test_torchrun_restart import events, losses, run_job
 
 PARTS = ("detect_restart_s", "python_imports_s", "group_form_s", "load_s", "first_step_s")
@@ -50,9 +60,13 @@ def split(ev: list[dict]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tries", type=int, default=10)
-    parser.add_argument("--kill-at", type=int, default=10)
+    parser.add_argument("--kill-at", type=int, default=None, help="step after which a rank (or agent) is killed")
+    parser.add_argument("--scenario", choices=("restart", "agent-kill"), default="restart")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="v17_fault_"))
+    if args.scenario == "agent-kill":
+        return agent_kill(tmp, tries=args.tries, kill_at=args.kill_at or 5)
+    args.kill_at = args.kill_at or 10
     ref = run_job(tmp / "ref")
     if ref.returncode != 0:
         raise SystemExit(f"the uninterrupted reference run failed:\n{ref.stdout[-3000:]}")
@@ -81,6 +95,33 @@ def main() -> None:
         "median": {k: round(statistics.median(t[k] for t in good), 3) for k in MEDIANS} if good else None,
         "failures": [{k: t[k] for k in ("try", "rc", "tail")} for t in tries if not t["ok"]],
     }
+    print(json.dumps(summary))
+
+
+AGENT_KILL_MEDIANS = ("detection_s", "rendezvous_s", "worker_exit_s", "agent_rendezvous_s", "spawn_s",
+                      "python_imports_s", "group_form_s", "load_s", "first_step_s", "kill_to_first_step_s",
+                      "excluding_python_imports_s", "join_to_first_step_s")  # fmt: skip
+
+
+def agent_kill(tmp: Path, *, tries: int, kill_at: int) -> None:
+    """``tries`` agent-kill scenarios (2 -> 1 -> 2 nodes); one JSON line per try on stderr, the summary on stdout."""
+    rows = []
+    for i in range(tries):
+        t0 = time.perf_counter()
+        out = run_agent_kill(tmp / f"agents{i}", kill_at=kill_at)
+        row: dict = {"try": i, "wall_s": round(time.perf_counter() - t0, 1)}
+        try:
+            row.update(ok=True, **check(out))
+        except AssertionError as err:
+            row.update(ok=False, failure=str(err)[-1500:])
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "failure"}), file=sys.stderr, flush=True)
+    good = [r for r in rows if r["ok"]]
+    median = {k: round(statistics.median(r[k] for r in good if r.get(k) is not None), 3)
+              for k in AGENT_KILL_MEDIANS if any(r.get(k) is not None for r in good)}  # fmt: skip
+    summary = {"benchmark": "agent_kill_2_1_2", "tries": len(rows), "ok": len(good), "median": median,
+               "max_abs_loss_diff": max((r["max_abs_loss_diff"] for r in good), default=None),
+               "failures": [{"try": r["try"], "failure": r["failure"]} for r in rows if not r["ok"]]}  # fmt: skip
     print(json.dumps(summary))
 
 

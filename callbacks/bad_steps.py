@@ -96,7 +96,8 @@ class BadStepGuard(Callback):
     Each event is logged by rank 0 (logger ``lightning_v17.callbacks.bad_steps``, WARNING) and as metrics
     ``bad_steps/withheld`` and ``bad_steps/events`` (cumulative), ``bad_steps/median_loss``. ``events`` holds one
     dict per triggered or withheld step. Under ``pp > 1`` the strategy runs backward inside the schedule and
-    Lightning's ``on_before_backward`` is not called, so the guard sees no loss and stays inactive (warned once).
+    Lightning's ``on_before_backward`` is not called; V17Strategy hands the guard the step's loss (the last stage's,
+    the same on every pp rank) through :meth:`on_pipeline_loss` right after the schedule, before the optimizer step.
 
     Args:
         spike_factor: a loss above ``spike_factor`` x the running median of the good losses is a spike.
@@ -203,6 +204,12 @@ class BadStepGuard(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
             value /= float(scaler.get_scale())  # MixedPrecision hands this hook the fp16-scaled loss
+        self._loss = value if self._loss is None else self._loss + value
+
+    def on_pipeline_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """V17Strategy's hook for ``pp > 1`` (``strategies/_pipeline.py``): the loss of a step whose forward and
+        backward the pipeline schedule ran (unscaled), in place of ``on_before_backward``."""
+        value = float(loss.detach().float().sum())
         self._loss = value if self._loss is None else self._loss + value
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:

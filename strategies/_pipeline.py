@@ -102,6 +102,11 @@ def training_step(strategy: V17Strategy, args: tuple, kwargs: dict) -> Tensor:
         loss = pipeline_step(runtime, batch, grad_sync=strategy.zero, loss_scale=scale)
     call._call_callback_hooks(trainer, "on_after_backward")
     call._call_lightning_module_hook(trainer, "on_after_backward")
+    # No on_before_backward here (no single moment before the interleaved backward): callbacks that judge the step's
+    # loss (BadStepGuard) get it through their on_pipeline_loss, before the optimizer step.
+    for cb in trainer.callbacks:
+        if callable(getattr(cb, "on_pipeline_loss", None)):
+            cb.on_pipeline_loss(trainer, module, loss)
     bsz = rows(batch)
     module.log("train_loss", loss, prog_bar=True, batch_size=bsz)
     if runtime.bubble_over_busy is not None:

@@ -314,9 +314,9 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             )
         else:
             _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._watchdog = StepWatchdog(
-            self._hang_timeout, prefix=f"v17/attempt-{elastic_attempt() or 0}/watchdog/{next(_RUNS)}"
-        )
+        # Under torchrun the default store is already this round's own (v17/gen-<token>, engine/elastic.py); the
+        # agents' restart counts differ after a node was replaced, so they must not be part of a shared key.
+        self._watchdog = StepWatchdog(self._hang_timeout, prefix=f"v17/watchdog/{next(_RUNS)}")
         spec = self.resolve_mesh(self.world_size)
         self._mesh = MeshRuntime(spec, build_device_mesh(spec, device_type=self.root_device.type))
         _precision.apply_config_precision(self)

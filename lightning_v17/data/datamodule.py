@@ -109,6 +109,10 @@ class ResumableDataLoader(DataLoader):
         if self.state_owner is not None:
             self.state_owner.load_state_dict(state_dict)
 
+    def __len__(self) -> int:
+        remaining = super().__len__()
+        return self.state_owner.loader_length(remaining) if self.state_owner is not None else remaining
+
 
 class PackedDataModule(L.LightningDataModule):
     """Packed train/validation batches from any document dataset (default: the embedded stdlib corpus).
@@ -177,10 +181,12 @@ class PackedDataModule(L.LightningDataModule):
         self.train_rows: PackedRows | None = None
         self.val_rows: PackedRows | None = None
         self.train_sampler: PackedRowSampler | None = None
-        # Resume bookkeeping: (epoch, groups consumed globally when restored, batches trained on since).
+        # Resume bookkeeping: (epoch, groups consumed globally when restored, batches trained on since, batches of
+        # this epoch trained before the restore as Lightning's loop counts them).
         self._epoch = 0
         self._base_consumed = 0
         self._batches = 0
+        self._base_batches = 0
         self._pending_state: dict[str, Any] | None = None
 
     # ---- setup -----------------------------------------------------------------------------------------------------
@@ -280,6 +286,7 @@ class PackedDataModule(L.LightningDataModule):
         if trainer is not None and trainer.training and self.train_sampler is not None:
             if self.train_sampler.epoch != self._epoch:
                 self._epoch, self._base_consumed, self._batches = self.train_sampler.epoch, 0, 0
+                self._base_batches = 0
             self._batches += 1
         return batch
 
@@ -295,9 +302,28 @@ class PackedDataModule(L.LightningDataModule):
         state = self.train_sampler.state_dict()
         if self.train_sampler.epoch == self._epoch:
             state["consumed"] = self._base_consumed + self._batches * world * self._groups_per_batch()
+            state["batches"] = self._base_batches + self._batches
         else:
-            state["consumed"] = 0
+            state["consumed"] = state["batches"] = 0
         return state
+
+    def loader_length(self, remaining: int) -> int:
+        """``len()`` of the train loader as Lightning's loop reads it, given the ``remaining`` batches of this rank.
+
+        Lightning restores its count of the epoch's batches on resume and ends the epoch when that count reaches
+        ``len(loader)``; it reads ``len`` once and keeps it for the later epochs. So ``len`` must count the epoch from
+        its start: the batches trained before the restore plus those left (the remaining ones alone ended a resumed
+        epoch that many batches early, and every later epoch too). After a resume at another data-parallel size the
+        two parts are in different units and a later epoch has its own length; the larger of the two is returned,
+        and the loop then ends each epoch when the sampler runs out (an upper bound is safe, a lower one skips data).
+        """
+        if self.train_sampler is None or self.train_rows is None:
+            return remaining
+        world, rank = self._dp()
+        fresh = PackedRowSampler(self.train_rows.plan, num_replicas=world, rank=rank, shuffle=self.shuffle,
+                                 seed=self.train_sampler.seed, drop_last=self.drop_last)  # fmt: skip
+        fresh.set_epoch(self.train_sampler.epoch)
+        return max(self._base_batches + remaining, -(-len(fresh) // self.batch_size))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -305,6 +331,7 @@ class PackedDataModule(L.LightningDataModule):
         self._pending_state = dict(state_dict)
         self._epoch = int(state_dict["epoch"])
         self._base_consumed = int(state_dict["consumed"])
+        self._base_batches = int(state_dict.get("batches", 0))  # absent from checkpoints of older versions
         self._batches = 0
         if self.train_sampler is not None:
             self.train_sampler.load_state_dict(state_dict)

@@ -400,10 +400,13 @@ class PackedRowSampler(DistributedSampler):
         return full + ([groups[-1]] if partial else [])
 
     def _my_groups(self) -> list[int]:
-        order = self._group_order()
+        # Cut what is left after the resume point, not the whole order: a position saved at another data-parallel
+        # size (elastic 2 -> 1 -> 2) need not be a multiple of this one, and every rank must yield as many groups.
+        # From a position that is a multiple of num_replicas (every same-size resume) both cuts are the same.
+        rest = self._group_order()[self._start :]
         if self.drop_last:
-            order = order[: len(order) - len(order) % self.num_replicas]
-        return order[self._start :][self.rank :: self.num_replicas]
+            rest = rest[: len(rest) - len(rest) % self.num_replicas]
+        return rest[self.rank :: self.num_replicas]
 
     def _rows_of(self, group: int) -> range:
         return range(group * self.group_size, min((group + 1) * self.group_size, self.num_rows))

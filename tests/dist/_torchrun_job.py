@@ -6,7 +6,8 @@ Async sharded checkpoints every 4 steps (an epoch: 16 samples per rank, batch 4)
 start. With ``--kill-at K``, rank 1 of the first attempt hard-exits (``os._exit(1)``, no cleanup) after step K; the
 agent restarts both workers, which resume from the newest complete checkpoint. With ``--hang-at K`` rank 1 of the
 first attempt sleeps before an all-reduce of step K (the watchdog, ``--hang-timeout``, must end the job); with
-``--raise-at K`` it raises in the forward of step K. Rank 0 appends every step's loss to
+``--raise-at K`` it raises in the forward of step K; with ``--straggler raise`` it is slowed by 0.3 s a step in the
+first attempt, under ``StragglerDetector(action="raise")``. Rank 0 appends every step's loss to
 ``ROOT/losses-<attempt>.jsonl``; every rank appends its timeline (start, imported, group_formed, loaded, first_step,
 kill, end; wall-clock seconds) to ``ROOT/events.jsonl``.
 """
@@ -36,6 +37,10 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int, default=0, help="rank 1 sleeps before an all-reduce in this step")
     parser.add_argument("--hang-timeout", type=float, default=None, help="V17Strategy(hang_timeout=)")
     parser.add_argument("--raise-at", type=int, default=0, help="rank 1 raises in the forward of this step")
+    parser.add_argument("--pp-raise-at", type=int, default=0,
+                        help="pp=2 (the tiny Llama): rank 1, the last stage, raises in its loss of this step")  # fmt: skip
+    parser.add_argument("--straggler", choices=("raise", "warn"), default=None,
+                        help="StragglerDetector(action=...); rank 1 of the first attempt is slowed by 0.3 s a step")  # fmt: skip
     args = parser.parse_args()
     root = Path(args.root)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -79,13 +84,52 @@ def main() -> None:
                 raise RuntimeError(f"injected failure on rank 1 in the forward of step {step}")
             return super().training_step(batch, batch_idx)
 
+    if args.pp_raise_at:
+        return _pipeline_job(root, args.pp_raise_at, attempt)
+    extra = []
+    if args.straggler:
+        from lightning_v17.callbacks import StragglerDetector
+        from lightning_v17.callbacks.straggler import TEST_SLEEP_ENV
+
+        if attempt == 0:
+            os.environ[TEST_SLEEP_ENV] = "1:0.3"  # rank 1's host is slow in the first attempt only
+        extra.append(StragglerDetector(every_n_steps=3, patience=1, warmup_steps=1, action=args.straggler))
     strategy = V17Strategy(zero_stage=3, hang_timeout=args.hang_timeout)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
-        callbacks=[AsyncCheckpoint(root / "ckpt", every_n_steps=EVERY, keep_last=3), Timeline()],
+        callbacks=[*extra, AsyncCheckpoint(root / "ckpt", every_n_steps=EVERY, keep_last=3), Timeline()],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(Job(str(root / f"losses-{attempt}.jsonl")), ckpt_path="last")
+    _event(root, what="end", attempt=attempt, step=trainer.global_step)
+
+
+def _pipeline_job(root: Path, raise_at: int, attempt: int) -> None:
+    """V17Strategy(pp=2): rank 1 (the last stage) raises inside the schedule, in its micro-batch loss, at step
+    ``raise_at``; rank 0 is then inside the same schedule (a P2P receive)."""
+    import lightning as L
+
+    from lightning_v17 import V17Strategy
+    from lightning_v17.data import PackedDataModule
+    from lightning_v17.models.lightning import next_token_loss
+    from tests.dist._torchrun_elastic_job import SEQ, documents, make_module
+
+    torch.set_num_threads(1)
+    module = make_module()
+
+    def pipeline_loss(logits, batch):
+        step = module.trainer.global_step + 1
+        if attempt == 0 and step == raise_at and module.global_rank == 1:
+            _event(root, what="raise", attempt=attempt, step=step)
+            raise RuntimeError(f"injected failure on rank 1 in pipeline stage 2 (its loss) of step {step}")
+        return next_token_loss(logits, batch["labels"], batch.get("loss_mask"))[0]
+
+    module.pipeline_loss = pipeline_loss
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=V17Strategy(zero_stage=1, pp=2, microbatches=2), max_steps=STEPS,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=PackedDataModule(documents(), seq_len=SEQ, batch_size=2))  # rows of one length
     _event(root, what="end", attempt=attempt, step=trainer.global_step)
 
 

@@ -94,10 +94,12 @@ def test_hung_rank_is_named_and_torchrun_restarts_the_job(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_a_rank_that_raises_ends_its_peer_within_seconds_with_its_error(tmp_path):
+@pytest.mark.parametrize("where", ["forward", "pipeline stage"])
+def test_a_rank_that_raises_ends_its_peer_within_seconds_with_its_error(tmp_path, where):
     """No launcher that tears the job down: two plain processes (torchrun's environment variables, set by hand).
-    Rank 1 raises in the forward of step 6; rank 0, blocked in the next collective, must exit by itself within 10 s
-    with rank 1's error. (Without the watchdog, measured: rank 0 ends only when rank 1's process has exited, with
+    Rank 1 raises in the forward of step 6 (ZeRO-3), or, with pp=2, inside the pipeline schedule (its last stage's
+    loss) of step 3; rank 0, blocked in the next collective or P2P receive, must exit by itself within 10 s with rank
+    1's error. (Without the watchdog, measured: rank 0 ends only when rank 1's process has exited, with
     gloo's "Connection reset by peer", which names neither rank 1 nor its error; while rank 1 stays alive, rank 0
     waits for the process-group timeout.)"""
     from tests._dist import free_port
@@ -110,7 +112,8 @@ def test_a_rank_that_raises_ends_its_peer_within_seconds_with_its_error(tmp_path
         log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.dist._torchrun_job", str(tmp_path), "--raise-at", "6"], cwd=REPO,
+            [sys.executable, "-m", "tests.dist._torchrun_job", str(tmp_path),
+             *(["--raise-at", "6"] if where == "forward" else ["--pp-raise-at", "3"])], cwd=REPO,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
         ))  # fmt: skip
     ended: dict[int, float] = {}
@@ -130,5 +133,23 @@ def test_a_rank_that_raises_ends_its_peer_within_seconds_with_its_error(tmp_path
     assert sorted(ended) == [0, 1], f"rank 0 is still blocked {time.time() - raised:.0f} s after rank 1 raised"
     assert procs[1].returncode != 0 and procs[0].returncode == 1, (procs[0].returncode, procs[1].returncode)
     assert ended[0] - raised < 10, ended[0] - raised
-    assert "peer failed; the first failure was on rank 1: RuntimeError: injected failure on rank 1" in out0, out0[-2000:]
+    assert "failed" in out0 and "rank 1: RuntimeError: injected failure on rank 1" in out0, out0[-2000:]
     print(f"rank 0 ended {ended[0] - raised:.2f} s after rank 1 raised")
+
+
+@pytest.mark.fault  # about 1-2 min: `make test-fault`
+@pytest.mark.timeout(300)
+def test_straggler_raise_is_a_clean_exit_that_torchrun_restarts(tmp_path):
+    """Rank 1 is slowed by 0.3 s a step in the first attempt; StragglerDetector(action="raise") names it, every rank
+    raises at the same window (so none is left in a collective), the workers exit non-zero, torchrun restarts them,
+    and the second attempt (not slowed) finishes the job."""
+    proc = run_job(tmp_path, max_restarts=1, extra=("--straggler", "raise"))
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert "StragglerDetected: straggler ranks [1]" in out, out[-3000:]
+    assert "(exitcode: 1)" in out, out[-3000:]  # torchrun saw the workers fail, and restarted them
+    first, second = losses(tmp_path / "losses-0.jsonl"), losses(tmp_path / "losses-1.jsonl")
+    assert first and max(first) < 12, f"the first attempt must end early, at the straggler: {sorted(first)}"
+    ev = events(tmp_path)
+    assert sorted({e["rank"] for e in ev if e["what"] == "end" and e["attempt"] == 1}) == [0, 1], ev
+    assert max(second) == 12, sorted(second)
