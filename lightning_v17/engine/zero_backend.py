@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_v17.engine import fsdp as fsdp_engine
+from lightning_v17.engine import offload as offload_engine
 from lightning_v17.engine.zero import ZeroEngine
 
 __all__ = ["ZeroBackend"]
@@ -57,6 +58,8 @@ class ZeroBackend:
         self.shard_size = shard_size
         #: False after :meth:`remove` (Trainer teardown): the stage must be applied again before the next run
         self.active = True
+        #: the optimizers' offload engines (``offload_optimizer`` "cpu"/"nvme"), closed by :meth:`remove`
+        self.offloads: list[Any] = []
 
     # ------------------------------------------------------------------ what is sharded
     @property
@@ -117,15 +120,26 @@ class ZeroBackend:
             self.engine.finish_grad_sync()
 
     # ------------------------------------------------------------------ optimizer
-    def prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    def prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer], *, offload: Any = None) -> None:
         """Partition the optimizers' state (stages 1-2) before their first step; stage 3 needs nothing (FSDP2's
-        parameters are already the shards)."""
+        parameters are already the shards). With an ``offload`` policy whose optimizer tier is "cpu"/"nvme", each
+        (partitioned) optimizer then steps through that tier (:mod:`lightning_v17.engine.offload`)."""
         optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
-        if self.engine is None:
-            return
-        self.engine.choose_partition(optimizers)
-        for opt in optimizers:
-            self.engine.shard_optimizer(opt)
+        if self.engine is not None:
+            self.engine.choose_partition(optimizers)
+            for opt in optimizers:
+                self.engine.shard_optimizer(opt)
+        if offload is not None and offload.optimizer != "none":
+            import torch.distributed as dist
+
+            from lightning_v17.engine.offload import attach_offload
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.offloads = [
+                attach_offload(opt, tier=offload.optimizer, nvme_path=offload.nvme_path, ratio=offload.optimizer_ratio,
+                               rank=rank, buffer_count=offload.buffer_count, chunk_mb=offload.chunk_mb)
+                for opt in optimizers
+            ]  # fmt: skip
 
     def after_optimizer_step(self) -> None:
         """Stages 1-2: every rank stepped its part; all-gather (or broadcast) it into the replicated parameters."""
@@ -141,25 +155,31 @@ class ZeroBackend:
         )
 
         opt = getattr(optimizer, "_optimizer", optimizer)
-        if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
-            _init_optim_state(opt)  # empty state gets tensors (a zero-lr step), so that DCP has something to load
-            return self.engine.optimizer_state_dict(opt)
-        return get_optimizer_state_dict(self.module, opt, options=StateDictOptions(full_state_dict=False))
+        with offload_engine.materialized(opt):  # offloaded state: read from its tier for the save
+            if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
+                _init_optim_state(opt)  # empty state gets tensors (a zero-lr step), so that DCP has something to load
+                return self.engine.optimizer_state_dict(opt)
+            return get_optimizer_state_dict(self.module, opt, options=StateDictOptions(full_state_dict=False))
 
     def load_optimizer_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
         """Load what :meth:`optimizer_state_dict` produced (after ``dcp.load`` filled it in place)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         opt = getattr(optimizer, "_optimizer", optimizer)
-        if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
-            self.engine.load_optimizer_state_dict(opt, state)
-        else:
-            set_optimizer_state_dict(self.module, opt, state, options=StateDictOptions(full_state_dict=False))
+        with offload_engine.materialized(opt):  # offloaded state: written back to its tier after the load
+            if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
+                self.engine.load_optimizer_state_dict(opt, state)
+            else:
+                set_optimizer_state_dict(self.module, opt, state, options=StateDictOptions(full_state_dict=False))
 
     # ------------------------------------------------------------------ lifetime
     def remove(self) -> None:
         """Detach the stage 0-2 gradient hooks (Trainer teardown). FSDP2's sharding stays: it is the model's
-        layout now, and a following validate/test runs on it."""
+        layout now, and a following validate/test runs on it. Offloaded optimizer state is released (nvme files
+        removed)."""
+        for off in self.offloads:
+            off.close()
+        self.offloads = []
         if self.engine is not None:
             self.engine.remove()
             self.active = False

@@ -28,7 +28,7 @@ STRATEGY_CLASS = "lightning_v17.strategies.V17Strategy"
 COMMAND_PREFIX = "# command: v17 plan "
 #: Offload tiers V17Strategy accepts today (strategies/_options.py ``build_policy`` refuses the others);
 #: tests/unit/test_emit_config.py checks these sets against the real strategy, so they cannot drift apart.
-IMPLEMENTED_OFFLOAD_OPTIMIZER: frozenset[Tier] = frozenset({Tier.NONE})
+IMPLEMENTED_OFFLOAD_OPTIMIZER: frozenset[Tier] = frozenset({Tier.NONE, Tier.CPU})  # nvme also needs nvme_path
 IMPLEMENTED_OFFLOAD_PARAMS: frozenset[Tier] = frozenset({Tier.NONE, Tier.CPU})
 #: LlamaLM (lightning_v17/models/lightning.py) configures AdamW; other optimizers need another LightningModule.
 MODEL_OPTIMIZER = OptimizerKind.ADAMW
@@ -130,12 +130,14 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
     }  # fmt: skip
     if lay.pp > 1:
         args.update(pp_schedule=lay.schedule.value, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages)
-    if lay.offload_optimizer in IMPLEMENTED_OFFLOAD_OPTIMIZER:
-        if lay.offload_optimizer != Tier.NONE:
-            args["offload_optimizer"] = lay.offload_optimizer.value
-    else:
+    if lay.offload_optimizer == Tier.NONE:
+        pass
+    elif lay.offload_optimizer in IMPLEMENTED_OFFLOAD_OPTIMIZER and plan.cluster.gpu == "cpu":
+        args["offload_optimizer"] = lay.offload_optimizer.value
+    else:  # V17's optimizer offload steps CPU parameters only (engine/offload.py); nvme needs the machine's path
         not_emitted.append(f"offload_optimizer={lay.offload_optimizer.value!r} (the plan counts the optimizer state "
-                           "off the device) is not implemented by V17Strategy yet; the run keeps it on the device")
+                           "off the device) is not emitted: V17Strategy offloads the optimizer of CPU parameters only "
+                           "in this version (nvme also needs nvme_path=); the run keeps it on the device")
     if lay.offload_params != Tier.NONE:
         if lay.zero_stage != 3:
             not_emitted.append(f"offload_params={lay.offload_params.value!r} needs zero_stage=3 (ignored by the plan "

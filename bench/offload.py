@@ -1,0 +1,238 @@
+"""Optimizer offload: peak RSS per rank and tokens/s, V17 ZeRO-3 with ``offload_optimizer`` none / cpu / nvme.
+
+Memory (issue 11 acceptance): a >= 100M-parameter GPT (``bench._common.build_gpt``, fp32, built in ``configure_model``
+so that ZeRO-3 materializes only each rank's shards), fp32 AdamW, ZeRO-3, 2 ranks. Each arm runs in a fresh pair of
+processes; the report gives per rank the planner's optimizer-state bytes (``planned_state_bytes``: AdamW 8 B/param
+of the rank's shard), the peak RSS (``ru_maxrss``), the drop against ``none`` as a fraction of the planned bytes
+(target >= 0.8 for nvme), the bytes of the rank's files on the nvme tier after the last step, and the losses (which
+must be identical across arms).
+
+On this CPU-only machine the cpu tier shares memory with compute (no drop expected; it shows the chunked step's
+cost), and the nvme tier is a directory on the local disk (``--nvme-path``; the page cache may serve the reads).
+``io_wait_share``: the fraction of the optimizer step's wall time spent waiting for reads and write-backs (the I/O
+not hidden behind the optimizer's compute or the forward/backward that the first reads overlap).
+
+Speed anchor: ``ds_cpu``, raw DeepSpeed ZeRO-3 with ``offload_optimizer.device="cpu"`` and DeepSpeedCPUAdam (compare
+with ``--optimizer cpu_adam``; ``tokens_per_s_ratio_cpu_over_ds_cpu``). DeepSpeed's nvme optimizer offload needs its
+async_io op (libaio-dev), so it has no arm here.
+
+    python bench/offload.py                       # 4 arms, 1 round
+    python bench/offload.py --arms none,nvme --rounds 2 --shape '{"hidden": 512, "layers": 4}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import _common as C
+
+#: none_mmap: no offload, but glibc's mmap threshold fixed at 1 MiB as the nvme tier does (separates the allocator's
+#: share of the RSS drop from the offload's)
+#: ds_cpu: raw DeepSpeed ZeRO-3 with offload_optimizer={"device": "cpu"} and DeepSpeedCPUAdam (the speed anchor);
+#: DeepSpeed's nvme optimizer offload needs its async_io op (libaio-dev), absent here, so it has no arm
+ARMS = ("none", "none_mmap", "cpu", "nvme", "ds_cpu")
+LR, WEIGHT_DECAY = 1e-4, 0.01
+#: >= 100M parameters (103.3M): 8 blocks of width 1024; short sequences keep a step near a second on 2 cores
+DEFAULT_SHAPE = {"vocab": 1024, "hidden": 1024, "layers": 8, "heads": 16, "seq": 64, "batch": 1}
+
+
+def _worker(args: argparse.Namespace, arm: str) -> None:
+    rank, world = C.worker_setup()
+    import lightning as L
+    import torch
+    from lightning_v17.strategies import V17Strategy
+
+    from lightning_v17.config import OffloadPolicy
+    from lightning_v17.engine.offload import offload_of, planned_state_bytes
+    from lightning_v17.optim import AdamW
+
+    shape = C.GPTShape(**json.loads(args.shape))
+    batches = C.make_batches(shape, rank, args.warmup + args.steps)
+    timer = C.StepTimer(args.warmup, args.steps)
+    losses: list[float] = []
+    info: dict = {"io_wait_s": 0.0, "opt_step_s": 0.0}
+
+    class BenchLM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:  # meta device under ZeRO-3: only the shards are ever allocated
+            if self.model is None:
+                self.model = C.build_gpt(shape)
+
+        def training_step(self, batch, batch_idx):
+            return C.lm_loss(self.model(batch["input"]), batch["target"])
+
+        def configure_optimizers(self):
+            if args.optimizer == "cpu_adam":
+                from lightning_v17.optim import CPUAdam
+
+                return CPUAdam(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            return AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+
+    class Timing(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            info["planned_optimizer_bytes"] = planned_state_bytes(trainer.optimizers[0])
+            info["num_params"] = sum(p.numel() for p in pl_module.parameters())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+            off = offload_of(trainer.optimizers[0])
+            if off is not None and batch_idx >= args.warmup:
+                info["io_wait_s"] += off.io_wait_s
+                info["opt_step_s"] += off.step_s
+            if off is not None:
+                info["disk_bytes"] = off.disk_bytes()
+                info["chunks"], info["nvme_chunks"], info["io_backend"] = len(off.chunks), off.nvme_chunks, off.backend
+            timer.after_step(batch_idx)
+
+    offload = None
+    if arm == "none_mmap":
+        from lightning_v17.engine.offload import fix_mmap_threshold
+
+        fix_mmap_threshold()
+    elif arm != "none":
+        offload = OffloadPolicy(optimizer=arm, nvme_path=args.nvme_path if arm == "nvme" else None,
+                                chunk_mb=args.chunk_mb)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=V17Strategy(zero_stage=3, offload=offload), precision="32-true",
+        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[Timing()],
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    trainer.fit(BenchLM())
+    left = sorted(os.listdir(args.nvme_path)) if arm == "nvme" else []
+    C.write_result(
+        args._out, timer, shape, world, losses=losses, fit_s=time.perf_counter() - t0,
+        io_wait_share=info["io_wait_s"] / info["opt_step_s"] if info["opt_step_s"] else None,
+        left_in_nvme_path_after_fit=left, **info,
+    )  # fmt: skip
+
+
+def _deepspeed_worker(args: argparse.Namespace) -> None:
+    """Raw DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam), fp32, gloo."""
+    rank, world = C.worker_setup()
+    import deepspeed
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    torch.set_num_threads(1)
+    shape = C.GPTShape(**json.loads(args.shape))
+    batches = C.make_batches(shape, rank, args.warmup + args.steps)
+    model = C.build_gpt(shape)
+    opt = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    config = {
+        "train_micro_batch_size_per_gpu": shape.batch, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                              "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": int(5e8),
+                              "stage3_prefetch_bucket_size": int(5e7), "stage3_param_persistence_threshold": int(1e5)},
+        "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+    }  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    torch.set_num_threads(1)
+    timer = C.StepTimer(args.warmup, args.steps)
+    losses: list[float] = []
+    for i, b in enumerate(batches):
+        loss = C.lm_loss(engine(b["input"]), b["target"])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+        timer.after_step(i)
+    C.write_result(args._out, timer, shape, world, losses=losses, planned_optimizer_bytes=None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per run (default 2)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps (default 1, >= 1)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds in rotated order; medians reported (default 1)")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    ap.add_argument("--shape", default=json.dumps(DEFAULT_SHAPE), help="GPTShape as JSON (default: 103M params)")
+    ap.add_argument("--chunk-mb", type=float, default=4.0, help="OffloadPolicy.chunk_mb (default 4)")
+    ap.add_argument("--nvme-path", default=None, help="directory of the nvme tier (default: a fresh temp dir)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before both ranks are killed")
+    ap.add_argument(
+        "--optimizer",
+        choices=["adamw", "cpu_adam"],
+        default="adamw",
+        help="V17 arms: lightning_v17.optim.AdamW (fused, default) or CPUAdam (DeepSpeed's op)",
+    )
+    ap.add_argument("--json-out", default=None, help="also write the JSON here")
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._worker:
+        _deepspeed_worker(args) if args._worker == "ds_cpu" else _worker(args, args._worker)
+        return {}
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if any(a not in ARMS for a in arms):
+        ap.error(f"--arms: choose from {ARMS}")
+    nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="v17-offload-bench-")
+    shape = C.GPTShape(**json.loads(args.shape))
+    common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--shape", json.dumps(C.asdict(shape)),
+              "--chunk-mb", str(args.chunk_mb), "--nvme-path", nvme_path, "--optimizer", args.optimizer]  # fmt: skip
+    runs: dict[str, list[dict]] = {a: [] for a in arms}
+    t_start = time.monotonic()
+    for rnd in range(args.rounds):
+        for a in arms[rnd % len(arms) :] + arms[: rnd % len(arms)]:
+            t = time.monotonic()
+            res = C.launch(os.path.abspath(__file__), ["--_worker", a, *common], timeout_s=args.timeout)
+            runs[a].append(res)
+            msg = f"peak RSS {[round(r['peak_rss_mb']) for r in res['ranks']]} MB" if res["ok"] else res["error"][-400:]
+            print(f"[round {rnd + 1}] {a}: {msg} ({time.monotonic() - t:.0f}s)", file=sys.stderr, flush=True)
+    results = {a: C.summarize(runs[a]) for a in arms}
+    table = []
+    base = results.get("none", {}).get("peak_rss_mb")
+    base_mmap = results.get("none_mmap", {}).get("peak_rss_mb")
+    for a in arms:
+        ok = [r for r in runs[a] if r["ok"]]
+        if not ok:
+            continue
+        last = ok[-1]["ranks"]
+        for k, rk in enumerate(last if a != "ds_cpu" else []):
+            row = {
+                "arm": a, "rank": k, "planned_optimizer_bytes": rk["planned_optimizer_bytes"],
+                "peak_rss_mb": results[a]["peak_rss_mb"][k], "disk_bytes": rk.get("disk_bytes", 0),
+                "chunks": rk.get("chunks"), "io_wait_share": rk.get("io_wait_share"),
+            }  # fmt: skip
+            if base is not None:
+                drop = (base[k] - row["peak_rss_mb"]) * 2**20
+                row["rss_drop_mb"] = round(drop / 2**20, 1)
+                row["drop_over_planned"] = round(drop / rk["planned_optimizer_bytes"], 3)
+            if base_mmap is not None:  # against the same allocator setting: the offload's own share
+                drop = (base_mmap[k] - row["peak_rss_mb"]) * 2**20
+                row["drop_over_planned_vs_none_mmap"] = round(drop / rk["planned_optimizer_bytes"], 3)
+            table.append(row)
+    losses = {a: [r for r in runs[a] if r["ok"]][-1]["ranks"][0]["losses"] for a in arms if results[a]["tokens_per_s"]}
+    v17_losses = {a: v for a, v in losses.items() if a != "ds_cpu"}  # DeepSpeed reduces in another order
+    first = next(iter(v17_losses.values()), None)
+    out = {
+        "model": {"name": "bench._common.build_gpt (pre-LN GPT, fp32)", **C.shape_dict(shape)},
+        "world_size": 2, "zero_stage": 3, "optimizer": f"lightning_v17.optim.AdamW(lr={LR}, fused)",
+        "chunk_mb": args.chunk_mb, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "nvme_path": nvme_path, "load_average": os.getloadavg(), "v17_optimizer": args.optimizer,
+        "tokens_per_s_ratio_cpu_over_ds_cpu": C.ratio(results, "cpu", "ds_cpu") if {"cpu", "ds_cpu"} <= set(arms)
+        else None,
+        "results": results, "memory_table": table,
+        "losses": losses, "v17_losses_identical": all(v == first for v in v17_losses.values()),
+        "wall_s": round(time.monotonic() - t_start, 1),
+    }  # fmt: skip
+    C.emit_json(out, args.json_out)
+    return out
+
+
+if __name__ == "__main__":
+    C.run_main(main)

@@ -1,0 +1,212 @@
+"""The NVMe tier (ZeRO-Infinity, Rajbhandari 2021 §5-§6): a per-rank set of files, asynchronous reads and writes.
+
+* **Files.** :class:`NvmeFileSet` makes one run-specific folder per rank, ``<nvme_path>/v17-offload-<run>/rank<r>``,
+  and removes it on :meth:`~NvmeFileSet.close` (the strategy's teardown, which Lightning also runs when ``fit``
+  raises), at interpreter exit, and when the object is collected. A SIGKILLed run leaves its folder behind (nothing
+  can run then); the checkpoint, not the tier, is what a resume reads (``engine/offload.py``).
+* **I/O.** :class:`ThreadPoolIO`: ``os.pwrite`` / ``os.preadv`` on a small thread pool (both release the GIL, so
+  reads ahead of use and write-back overlap the optimizer's compute). DeepSpeed's ``async_io`` op (libaio) is the
+  faster path on a real NVMe drive, but it builds only with the Debian package ``libaio-dev``; :func:`io_backend`
+  reports which backend runs and why, and the offload engine logs that once. This version always uses the thread
+  pool: the ``async_io`` path is not wired in yet (it could not be built or tested on the machine this was written
+  on), and the log says so when the op would have been available.
+* **Checks before step 0.** :func:`check_nvme_path`: the path exists, is a writable directory, and has room for the
+  bytes the planner puts there plus a margin; each failure names the option and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from lightning_v17.config import V17ConfigError
+
+__all__ = ["NvmeFileSet", "ThreadPoolIO", "check_nvme_path", "free_margin_bytes", "io_backend"]
+
+log = logging.getLogger(__name__)
+
+#: free space kept on top of the planned bytes: 10% plus 64 MiB (file system metadata, other runs' growth)
+MARGIN_FRACTION, MARGIN_BYTES = 0.10, 64 * 2**20
+
+
+def free_margin_bytes(planned: int) -> int:
+    """Bytes the drive must have free for ``planned`` bytes of offloaded state: the bytes plus the margin."""
+    return int(planned * (1 + MARGIN_FRACTION)) + MARGIN_BYTES
+
+
+def check_nvme_path(path: str | os.PathLike | None, *, need_bytes: int = 0, option: str = "nvme_path") -> Path:
+    """Refuse, before step 0, an NVMe tier that cannot work: no path, a missing or unwritable one, a full drive.
+
+    Args:
+        path: the ``nvme_path`` option.
+        need_bytes: bytes this rank will write there (the planner's count); checked with
+            :func:`free_margin_bytes` against the drive's free space.
+        option: the option's name, for the messages.
+
+    Raises:
+        V17ConfigError: naming the option, the value and the fix.
+    """
+    if not path:
+        raise V17ConfigError(f"an 'nvme' offload tier needs {option}=<directory on a local NVMe drive>")
+    p = Path(path)
+    if not p.exists():
+        raise V17ConfigError(f"{option}={str(path)!r} does not exist; create the directory or point {option} at one")
+    if not p.is_dir():
+        raise V17ConfigError(f"{option}={str(path)!r} is not a directory; point {option} at a directory")
+    try:  # a real probe: os.access answers "writable" for root even where the file system refuses (sysfs, ro mounts)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".v17-probe-"):
+            pass
+    except OSError as err:
+        raise V17ConfigError(
+            f"{option}={str(path)!r} is not writable by this process ({err.strerror}); fix its permissions or choose "
+            "another directory"
+        ) from err
+    if need_bytes > 0:
+        free = shutil.disk_usage(p).free
+        need = free_margin_bytes(need_bytes)
+        if free < need:
+            raise V17ConfigError(
+                f"{option}={str(path)!r} has {free / 2**30:.2f} GiB free, but this rank offloads "
+                f"{need_bytes / 2**30:.2f} GiB there ({need / 2**30:.2f} GiB with a "
+                f"{MARGIN_FRACTION:.0%} + {MARGIN_BYTES // 2**20} MiB margin); free space, choose a larger drive, "
+                "lower offload_optimizer_ratio, or use offload_optimizer='cpu'"
+            )
+    return p
+
+
+@functools.cache
+def io_backend() -> tuple[str, str]:
+    """``(backend, reason)``: the I/O backend the NVMe tier uses on this machine and why (cached per process)."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        ok = AsyncIOBuilder().is_compatible(verbose=False)
+    except Exception as err:  # noqa: BLE001 - a probe: any failure means "not available"
+        return "threadpool", f"DeepSpeed's async_io op is unavailable ({type(err).__name__}: {err})"
+    if not ok:
+        return "threadpool", "DeepSpeed's async_io op is not compatible here (libaio-dev is missing)"
+    return "threadpool", "DeepSpeed's async_io op would build here, but V17's libaio path is not implemented yet"
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """A writable/readable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("NVMe I/O needs a contiguous CPU tensor")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class ThreadPoolIO:
+    """Asynchronous whole-file reads and writes of CPU tensors with ``os.pwrite`` / ``os.preadv`` on threads.
+
+    Reads and writes run on separate single-thread pools, so a read ahead of use never waits behind a write-back.
+
+    Args:
+        fsync: ``os.fsync`` after each write (off by default: the tier is scratch space, not a checkpoint; a crash
+            loses it either way).
+    """
+
+    name = "threadpool"
+
+    def __init__(self, *, fsync: bool = False) -> None:
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="v17-nvme-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="v17-nvme-write")
+        self.fsync = fsync
+        self.bytes_read = self.bytes_written = 0
+
+    @staticmethod
+    def _write(path: Path, t: torch.Tensor, fsync: bool) -> int:
+        buf = _as_bytes(t)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            off = 0
+            while off < len(buf):
+                off += os.pwrite(fd, buf[off:], off)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return off
+
+    @staticmethod
+    def _read(path: Path, t: torch.Tensor) -> torch.Tensor:
+        buf = _as_bytes(t)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            off = 0
+            while off < len(buf):
+                n = os.preadv(fd, [buf[off:]], off)
+                if n == 0:
+                    raise OSError(f"{path}: file ends at {off} of {len(buf)} bytes (truncated offload file)")
+                off += n
+        finally:
+            os.close(fd)
+        return t
+
+    def write(self, path: Path, t: torch.Tensor) -> Future:
+        """Write ``t``'s bytes to ``path`` (whole file) asynchronously; the future holds ``t`` until done."""
+        self.bytes_written += t.numel() * t.element_size()
+        return self._writer.submit(self._write, path, t, self.fsync)
+
+    def read(self, path: Path, nbytes: int) -> Future:
+        """Read ``path`` into a fresh uint8 tensor of ``nbytes`` asynchronously; the future's result is it."""
+        self.bytes_read += nbytes
+        return self._reader.submit(self._read, path, torch.empty(nbytes, dtype=torch.uint8))
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+
+def _remove(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        folder.parent.rmdir()  # the run folder, once the last rank's folder is gone
+    except OSError:
+        pass
+
+
+class NvmeFileSet:
+    """One rank's files under ``<nvme_path>/v17-offload-<run>/rank<rank>``, removed on close or exit.
+
+    Args:
+        nvme_path: the checked ``nvme_path`` directory.
+        rank: this process's global rank (names its folder).
+        run: the run's name (default: a fresh random id per process, so that runs never share files).
+    """
+
+    def __init__(self, nvme_path: str | os.PathLike, *, rank: int, run: str | None = None) -> None:
+        run = run or uuid.uuid4().hex[:12]
+        self.folder = Path(nvme_path) / f"v17-offload-{run}" / f"rank{rank}"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=False)
+        except OSError as err:
+            raise V17ConfigError(
+                f"nvme_path={str(nvme_path)!r}: cannot create the offload folder {self.folder} ({err}); fix the "
+                "directory's permissions or choose another nvme_path"
+            ) from err
+        # runs at close(), when this object is collected, or at interpreter exit (finalize's own atexit hook)
+        self._finalizer = weakref.finalize(self, _remove, self.folder)
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def disk_bytes(self) -> int:
+        """Bytes of the files in this rank's folder now."""
+        return sum(f.stat().st_size for f in self.folder.iterdir()) if self.folder.exists() else 0
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Remove the folder (idempotent)."""
+        self._finalizer()

@@ -1,0 +1,502 @@
+"""Optimizer offload (ZeRO-Offload, Ren 2021 §4; ZeRO-Infinity, Rajbhandari 2021 §5): the optimizer state lives on
+the cpu or nvme tier and the step runs chunk by chunk, around the user's own optimizer.
+
+:func:`attach_offload` wraps any ``torch.optim.Optimizer`` *in place* (the object, its class, param groups and LR
+schedulers stay; only the instance's ``step`` is replaced, as the ZeRO engine replaces ``zero_grad``), after the
+ZeRO backend has partitioned it. So it composes with every ZeRO stage without knowing it: at stages 1-2 the
+optimizer's parameters are this rank's row shards (or owned whole parameters) of
+:class:`~lightning_v17.engine.zero.ZeroEngine`; at stage 3 they are FSDP2's DTensor shards, which the library
+optimizers step on their local tensors (:mod:`lightning_v17.optim.local_shards`).
+
+The step, for chunks of the optimizer's parameters (in param-group order, ``chunk_mb`` of this rank's fp32 parameter
+elements each):
+
+1. before the closure runs (forward and backward), the state of the first ``buffer_count - 1`` nvme chunks is read
+   ahead asynchronously;
+2. for chunk k: wait for its read, install its state in ``optimizer.state``, issue the read of chunk
+   k + buffer_count - 1, run the optimizer's own ``step`` with its param groups narrowed to chunk k;
+3. pop chunk k's state and write it back asynchronously (at most one write in flight); the tensors are freed when
+   the write completes.
+
+So an nvme rank holds the state of at most ``buffer_count + 1`` chunks (stepping, read ahead, writing back), not of
+the model. Per-parameter optimizers (every class in :mod:`lightning_v17.optim`: AdamW, CPU-Adam, Adafactor, Lion,
+Adam8bit, Lion8bit) give the same result stepped chunk by chunk as all at once, bit for bit; Adafactor's
+cross-shard reductions at ZeRO-3 still run per parameter in parameter order, so every rank issues the same
+collectives in the same order whatever its chunk boundaries.
+
+Tiers:
+
+* ``"cpu"``: the state stays in host memory. On an accelerator machine this is where ZeRO-Offload's host step runs;
+  this version refuses parameters that are not on the CPU (the device-to-host gradient stream and host-to-device
+  parameter copy are not implemented yet). On a CPU-only machine host and device are one memory: the cpu tier is the
+  chunked step itself, exact, with nothing to move and nothing pinned.
+* ``"nvme"``: each chunk's state tensors are written to one file per chunk in this rank's folder of the NVMe tier
+  (:mod:`lightning_v17.engine.nvme`) and read back into one buffer per chunk, of which the state tensors are views.
+  Scalars (step counters), tensors shared between parameters of a chunk (bitsandbytes' quantization maps) and empty
+  tensors stay in memory (a map alone in its chunk is written with it: 1 KiB). Tensor-subclass states (torchao's 8-bit ``AdamW8bit``) cannot be written as bytes and are refused.
+* ``ratio`` (``offload_optimizer_ratio``; DeepSpeed's ``offload_optimizer.ratio``; DeepSpeed#5508 asks for a split
+  between tiers): the fraction of the optimizer state, in bytes at chunk granularity, on the named tier; the rest
+  stays one tier up (nvme -> host memory, cpu -> device memory, which is host memory on a CPU-only machine). The
+  first chunks go to the tier, so they are the ones read ahead during backward.
+
+Memory really drops on the nvme tier only if freed buffers go back to the OS. glibc serves allocations below its
+mmap threshold (128 KiB, raised dynamically up to 32 MiB after large frees) from heaps it rarely shrinks, so a freed
+chunk could stay in the process's RSS. With an nvme tier this module fixes the threshold at 1 MiB once per process
+(``mallopt(M_MMAP_THRESHOLD)``, which also stops the dynamic raise): every state tensor and read buffer of 1 MiB or
+more is its own mapping, unmapped when freed; and it calls ``malloc_trim(0)`` after each step for the small rest.
+
+Checkpoints: :func:`materialized` brings every chunk's state back into ``optimizer.state`` (and restores the
+original ``step``) for the duration of a state-dict read or load, then writes it back to its tier. Saves therefore
+read the state from the tier and loads write it there; resume and reshard go through the ZeRO backend as without
+offload. A save holds the whole state in memory for its duration (the state dict references it). At teardown the
+nvme files are removed and the state they held is released: save checkpoints during ``fit``.
+
+There is no separate fp32 master copy to place here: the optimizer steps the fp32 parameters themselves (stages
+0-2 run mixed precision as autocast over fp32 parameters; stage 3's sharded fp32 parameters are FSDP2's master,
+which the next forward all-gathers from).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import time
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_v17.config import Tier, V17ConfigError
+
+__all__ = ["OptimizerOffload", "attach_offload", "materialized", "offload_of", "planned_state_bytes"]
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64  # byte alignment of each state tensor inside a chunk's buffer (any dtype's view stays aligned)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# ------------------------------------------------------------------------------------------------ glibc memory
+@functools.cache
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt  # noqa: B018 - glibc only
+        libc.malloc_trim  # noqa: B018
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+@functools.cache
+def fix_mmap_threshold(nbytes: int = 2**20) -> bool:
+    """glibc: serve allocations of ``nbytes`` or more with their own mmap, returned to the OS when freed (and stop
+    glibc's dynamic threshold raise). Once per process; False where it is not glibc."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, nbytes))
+
+
+def trim_heap() -> None:
+    """glibc ``malloc_trim(0)``: give freed heap memory back to the OS."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+# ------------------------------------------------------------------------------------------------ planner bytes
+def planned_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None = None) -> int:
+    """The planner's optimizer-state bytes of ``params`` (default: all of ``optimizer``'s) on this rank:
+    ``optimizer_bytes_per_param(kind, fp32)`` (``planner/memory.py``) x their local elements. An optimizer the planner
+    does not know counts as AdamW (8 B/param, the largest fp32 state of the library)."""
+    from lightning_v17.config import OptimizerKind, Precision
+    from lightning_v17.optim.factory import optimizer_kind_of
+    from lightning_v17.planner.memory import optimizer_bytes_per_param
+
+    name = optimizer_kind_of(optimizer)
+    kind = (name.planner_kind if name is not None else None) or OptimizerKind.ADAMW
+    per_param = optimizer_bytes_per_param(kind, Precision.FP32)
+    if params is None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    return int(per_param * sum(_local(p).numel() for p in params))
+
+
+# ------------------------------------------------------------------------------------------------ chunks
+@dataclass
+class _Entry:
+    """Where one spilled state tensor sits in its chunk's file."""
+
+    index: int  # parameter index in the optimizer (param-group order)
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    spec: tuple[Any, Any, Any, Any] | None  # (mesh, placements, global shape, stride) of a DTensor state
+
+
+@dataclass
+class _Chunk:
+    params: list[int]  # parameter indices
+    tier: Tier  # Tier.NVME: spilled between steps; else resident in optimizer.state
+    nbytes: int = 0  # file size once spilled
+    entries: list[_Entry] = field(default_factory=list)
+    resident: dict[int, dict[str, Any]] = field(default_factory=dict)  # scalars, shared and empty tensors
+    order: dict[int, list[str]] = field(default_factory=dict)  # each parameter's state keys, in order
+    spilled: bool = False
+    buf: torch.Tensor | None = None  # the buffer the installed state was read into (its tensors are views of it)
+
+
+class OptimizerOffload:
+    """The optimizer state of one optimizer on an offload tier, stepped chunk by chunk (see the module docstring).
+
+    Args:
+        optimizer: the optimizer (already partitioned by the ZeRO backend, before its first step).
+        tier: ``Tier.CPU`` or ``Tier.NVME``.
+        nvme_path: the NVMe directory (nvme tier).
+        ratio: fraction of the state (bytes, chunk granularity) on ``tier``; the rest one tier up.
+        rank: this process's global rank (names its nvme folder).
+        chunk_mb: MiB of this rank's fp32 parameter elements per chunk (its state is ~2x that for AdamW).
+        buffer_count: chunk buffers of the nvme reader: the step reads ``buffer_count - 1`` chunks ahead (>= 2).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        tier: Tier,
+        nvme_path: str | None = None,
+        ratio: float = 1.0,
+        rank: int = 0,
+        chunk_mb: float = 4.0,
+        buffer_count: int = 2,
+    ) -> None:
+        tier = Tier.parse(tier, "offload_optimizer")
+        if tier == Tier.NONE:
+            raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme'")
+        if not 0.0 < ratio <= 1.0:
+            raise V17ConfigError(f"offload_optimizer_ratio={ratio!r} must be in (0, 1]")
+        if buffer_count < 2:
+            raise V17ConfigError(f"offload buffer_count={buffer_count!r} must be >= 2 (one chunk stepping, one read)")
+        self.optimizer = optimizer
+        self.tier = tier
+        self.ratio = ratio
+        self.depth = buffer_count - 1
+        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        if optimizer.state:
+            raise RuntimeError("attach_offload must run before the optimizer's first step (it has state)")
+        self.chunks = self._make_chunks(chunk_mb * 2**20, ratio)
+        self.files = self.io = None
+        self.backend = "memory"
+        nvme_params = [self.params[i] for c in self.chunks if c.tier == Tier.NVME for i in c.params]
+        #: the planner's optimizer-state bytes this rank puts on the nvme tier (the free-space check's figure)
+        self.planned_nvme_bytes = planned_state_bytes(optimizer, nvme_params) if nvme_params else 0
+        if nvme_params:
+            from lightning_v17.engine import nvme
+
+            nvme.check_nvme_path(nvme_path, need_bytes=self.planned_nvme_bytes)
+        off_cpu = sorted({str(_local(p).device) for p in self.params if _local(p).device.type != "cpu"})
+        if off_cpu:
+            raise V17ConfigError(
+                f"offload_optimizer={tier.value!r} with parameters on {off_cpu} is not implemented yet (the host-side "
+                "step of accelerator parameters); use offload_optimizer='none' there, or train on the CPU"
+            )
+        if nvme_params:
+            self.files = nvme.NvmeFileSet(nvme_path, rank=rank)  # type: ignore[arg-type]
+            self.io = nvme.ThreadPoolIO()
+            self.backend, reason = nvme.io_backend()
+            _log_backend_once(self.backend, reason)
+            fix_mmap_threshold()
+        self._inner_step: Callable[..., Any] = optimizer.step
+        self._own_step = optimizer.__dict__.get("step")  # an instance-level step to put back at close (else none)
+        self._reads: dict[int, Future] = {}
+        self._writes: list[Future] = []
+        self._materialized = False
+        self.closed = self.lost_state = False
+        #: seconds the last step waited for reads and writes (I/O not hidden behind compute), and its total time
+        self.io_wait_s = self.step_s = 0.0
+        optimizer.step = self.step  # type: ignore[method-assign]
+        optimizer._v17_offload = self  # type: ignore[attr-defined]
+
+    # -------------------------------------------------------------- layout
+    def _make_chunks(self, chunk_bytes: float, ratio: float) -> list[_Chunk]:
+        """Chunks of consecutive parameters by this rank's fp32 size; the first ones (by bytes, up to ``ratio`` of the
+        total) on the tier."""
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        cur_bytes = 0
+        for i, p in enumerate(self.params):
+            cur.append(i)
+            cur_bytes += _local(p).numel() * 4
+            if cur_bytes >= chunk_bytes:
+                chunks.append(cur)
+                cur, cur_bytes = [], 0
+        if cur:
+            chunks.append(cur)
+        sizes = [sum(_local(self.params[i]).numel() for i in c) for c in chunks]
+        total, on_tier, out = sum(sizes), 0, []
+        for c, n in zip(chunks, sizes):
+            to_tier = ratio >= 1.0 or on_tier < ratio * total
+            on_tier += n if to_tier else 0
+            out.append(_Chunk(params=c, tier=self.tier if to_tier else Tier.NONE))
+        return out
+
+    @property
+    def nvme_chunks(self) -> int:
+        return sum(c.tier == Tier.NVME for c in self.chunks)
+
+    # -------------------------------------------------------------- spill / install (nvme chunks)
+    def _path(self, k: int) -> Any:
+        return self.files.path(f"chunk{k:05d}.bin")  # type: ignore[union-attr]
+
+    def _spill(self, k: int) -> None:
+        """Pop chunk k's state out of ``optimizer.state`` and write it to its file asynchronously."""
+        c = self.chunks[k]
+        state = self.optimizer.state
+        popped = {i: state.pop(self.params[i]) for i in c.params if self.params[i] in state}
+        if not popped:
+            return
+        seen: dict[int, int] = {}
+        for st in popped.values():
+            for v in st.values():
+                if torch.is_tensor(v) and v.dim() > 0 and v.numel() > 0:
+                    ptr = _local(v).data_ptr()
+                    seen[ptr] = seen.get(ptr, 0) + 1
+        entries, tensors, resident, order, off = [], [], {}, {}, 0
+        for i, st in popped.items():
+            order[i] = list(st)
+            for key, v in st.items():
+                local = _local(v) if torch.is_tensor(v) else None
+                if local is None or v.dim() == 0 or v.numel() == 0 or seen[local.data_ptr()] > 1:
+                    resident.setdefault(i, {})[key] = v
+                    continue
+                if type(local) is not torch.Tensor:
+                    raise V17ConfigError(
+                        f"offload_optimizer='nvme': {type(self.optimizer).__name__} keeps state {key!r} as a "
+                        f"{type(local).__name__} tensor subclass, which cannot be written as bytes; use a library "
+                        "optimizer with plain state (e.g. Adam8bit(backend='bitsandbytes')) or offload_optimizer='cpu'"
+                    )
+                local = local.contiguous()
+                n = local.numel() * local.element_size()
+                spec = (v.device_mesh, v.placements, v.shape, v.stride()) if isinstance(v, DTensor) else None
+                entries.append(_Entry(i, key, local.dtype, tuple(local.shape), off, n, spec))
+                tensors.append((off, local))
+                off += -(-n // _ALIGN) * _ALIGN
+        c.entries, c.resident, c.order, c.nbytes, c.spilled = entries, resident, order, off, True
+        buf, c.buf = c.buf, None
+        if buf is None or buf.numel() != off or any(t.data_ptr() != buf.data_ptr() + o for o, t in tensors):
+            # first step (the optimizer made its own tensors) or state replaced: pack it into one buffer
+            buf = torch.empty(off, dtype=torch.uint8)
+            for o, t in tensors:
+                buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+        # else: every state tensor is still the view of the buffer it was read into, updated in place: write it as is
+        del tensors, popped
+        self._bound_writes(1)
+        self._writes.append(self.io.write(self._path(k), buf))  # type: ignore[union-attr]
+
+    def _read(self, k: int) -> None:
+        """Issue the asynchronous read of chunk k (an nvme chunk that was spilled)."""
+        c = self.chunks[k]
+        if c.tier == Tier.NVME and c.spilled and k not in self._reads:
+            self._reads[k] = self.io.read(self._path(k), c.nbytes)  # type: ignore[union-attr]
+
+    def _install(self, k: int) -> None:
+        """Wait for chunk k's read and put its state back into ``optimizer.state`` (views of the read buffer)."""
+        c = self.chunks[k]
+        if c.tier != Tier.NVME or not c.spilled:
+            return
+        self._read(k)
+        t0 = time.perf_counter()
+        buf = self._reads.pop(k).result()
+        self.io_wait_s += time.perf_counter() - t0
+        states: dict[int, dict[str, Any]] = {i: dict(r) for i, r in c.resident.items()}
+        for e in c.entries:
+            t = buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            if e.spec is not None:
+                mesh, placements, shape, stride = e.spec
+                t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+            states.setdefault(e.index, {})[e.key] = t
+        for i, st in states.items():
+            self.optimizer.state[self.params[i]] = {key: st[key] for key in c.order[i]}
+        c.spilled, c.buf = False, buf
+
+    def _bound_writes(self, limit: int) -> None:
+        """Wait until at most ``limit`` writes are in flight (bounds the memory of chunks being written back)."""
+        t0 = time.perf_counter()
+        while len(self._writes) > limit:
+            self._writes.pop(0).result()  # re-raises a failed write
+        while self._writes and self._writes[0].done():
+            self._writes.pop(0).result()
+        self.io_wait_s += time.perf_counter() - t0
+
+    # -------------------------------------------------------------- the step
+    def _check_open(self) -> None:
+        if self.closed and self.lost_state:
+            raise RuntimeError(
+                "this optimizer's offloaded state was released when the Trainer tore the strategy down (its nvme "
+                "files are removed then); save checkpoints during fit"
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The optimizer's step, chunk by chunk through the tier (the closure, i.e. forward and backward, first)."""
+        self._check_open()
+        t_start = time.perf_counter()
+        self.io_wait_s = 0.0
+        for k in range(min(self.depth, len(self.chunks))):
+            self._read(k)  # read ahead while the closure runs forward and backward
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t_closure = time.perf_counter() - t_start
+        opt = self.optimizer
+        groups = opt.param_groups
+        group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
+        originals = [g["params"] for g in groups]
+        try:
+            for k, c in enumerate(self.chunks):
+                self._install(k)
+                if k + self.depth < len(self.chunks):
+                    self._read(k + self.depth)
+                members: dict[int, list[torch.Tensor]] = {}
+                for i in c.params:
+                    members.setdefault(group_of[i], []).append(self.params[i])
+                for gi, ps in members.items():
+                    groups[gi]["params"] = ps
+                opt.param_groups = [groups[gi] for gi in sorted(members)]
+                try:
+                    self._inner_step()
+                finally:
+                    opt.param_groups = groups
+                    for g, ps in zip(groups, originals):
+                        g["params"] = ps
+                if c.tier == Tier.NVME:
+                    self._spill(k)
+        finally:
+            opt.param_groups = groups
+            self._bound_writes(0)
+        if self.files is not None:
+            trim_heap()
+        self.step_s = time.perf_counter() - t_start - t_closure
+        return loss
+
+    # -------------------------------------------------------------- checkpoints and lifetime
+    @contextmanager
+    def materialized(self) -> Generator[None, None, None]:
+        """Every chunk's state in ``optimizer.state`` and the optimizer's own ``step`` in place, for a state-dict
+        save or load; afterwards the state goes back to its tier (written again: a load may have replaced it)."""
+        if self._materialized or self.closed:
+            self._check_open()  # closed: nothing to bring back, unless the state was on the nvme files (then raise)
+            yield
+            return
+        self._bound_writes(0)
+        for k in range(len(self.chunks)):
+            self._install(k)
+        self._materialized = True
+        self.optimizer.step = self._inner_step  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            self.optimizer.step = self.step  # type: ignore[method-assign]
+            self._materialized = False
+            for k, c in enumerate(self.chunks):
+                if c.tier == Tier.NVME:
+                    self._spill(k)
+            self._bound_writes(0)
+            if self.files is not None:
+                trim_heap()
+
+    def disk_bytes(self) -> int:
+        """Bytes of this optimizer's files on the nvme tier now (0 without one)."""
+        self._bound_writes(0)
+        return self.files.disk_bytes() if self.files is not None else 0
+
+    def close(self) -> None:
+        """Wait for pending I/O, remove the nvme files, and give the optimizer its own ``step`` back (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        #: True when state that only the nvme files held was dropped by close (a later save or step raises)
+        self.lost_state = any(c.tier == Tier.NVME and c.spilled for c in self.chunks)
+        try:
+            self._bound_writes(0)
+            for f in self._reads.values():
+                f.cancel()
+            self._reads.clear()
+        finally:
+            if self.io is not None:
+                self.io.close()
+            if self.files is not None:
+                self.files.close()
+            if self.optimizer.__dict__.get("step") == self.step:
+                if self._own_step is not None:
+                    self.optimizer.step = self._own_step  # type: ignore[method-assign]
+                else:
+                    del self.optimizer.__dict__["step"]  # the class's step again
+            for c in self.chunks:  # what only the nvme files held is gone now
+                c.entries, c.resident, c.spilled, c.buf = [], {}, False, None
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_backend_once(backend: str, reason: str) -> None:
+    if backend not in _LOGGED:
+        _LOGGED.add(backend)
+        log.info("offload nvme tier: I/O backend %r (%s)", backend, reason)
+
+
+def attach_offload(
+    optimizer: Any,
+    *,
+    tier: Tier | str,
+    nvme_path: str | None = None,
+    ratio: float = 1.0,
+    rank: int = 0,
+    chunk_mb: float = 4.0,
+    buffer_count: int = 2,
+) -> OptimizerOffload:
+    """Put ``optimizer``'s state on ``tier`` (see :class:`OptimizerOffload`); a ``LightningOptimizer`` is unwrapped.
+
+    Raises:
+        V17ConfigError: an unusable ``nvme_path`` (missing, unwritable, too little free space), a bad ratio, or
+            parameters on an accelerator.
+    """
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    existing = getattr(opt, "_v17_offload", None)
+    if existing is not None and not existing.closed:
+        return existing
+    return OptimizerOffload(
+        opt, tier=Tier.parse(tier, "offload_optimizer"), nvme_path=nvme_path, ratio=ratio, rank=rank,
+        chunk_mb=chunk_mb, buffer_count=buffer_count,
+    )  # fmt: skip
+
+
+def offload_of(optimizer: Any) -> OptimizerOffload | None:
+    """The live :class:`OptimizerOffload` of ``optimizer`` (a ``LightningOptimizer`` is unwrapped), else None."""
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    off = getattr(opt, "_v17_offload", None)
+    return off if off is not None and not off.closed else None
+
+
+@contextmanager
+def materialized(optimizer: Any) -> Generator[None, None, None]:
+    """:meth:`OptimizerOffload.materialized` for ``optimizer``; nothing to do without offload. After teardown it raises
+    if the optimizer's state was on nvme files (removed then) rather than handing out an empty state."""
+    off = getattr(getattr(optimizer, "_optimizer", optimizer), "_v17_offload", None)
+    if off is None:
+        yield
+        return
+    with off.materialized():
+        yield

@@ -1,0 +1,197 @@
+"""The optimizer offload engine (``lightning_v17/engine/offload.py``) in one process, on real files.
+
+For every optimizer of the library the offloaded optimizer (cpu tier, nvme tier, and a 50/50 cpu/nvme split), stepped
+chunk by chunk through 1-parameter-sized chunks, ends bit for bit where the same optimizer stepped normally ends, over
+5 steps of the tiny LM of the ZeRO tests; between steps the nvme chunks' state is really out of memory (only scalars
+and shared quantization maps stay) and on disk; a state-dict read gives the same tensors as the plain optimizer's, and
+a load writes them back to the tier.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lightning_v17.config import Tier
+from lightning_v17.engine.offload import attach_offload, materialized, offload_of
+from tests.dist.test_zero_parity import loss_fn, make_data, make_model
+
+STEPS, BATCH = 5, 8
+#: keyword arguments per library optimizer (the 8-bit ones quantize every tensor: min_8bit_size=0)
+OPTIMIZERS = {
+    "adamw": {"lr": 1e-2, "weight_decay": 0.1},
+    "cpu_adam": {"lr": 1e-2, "weight_decay": 0.1},
+    "adafactor": {"lr": 1e-2},
+    "lion": {"lr": 1e-3, "weight_decay": 0.1},
+    "adam8bit": {"lr": 1e-2, "min_8bit_size": 0},
+    "lion8bit": {"lr": 1e-3, "min_8bit_size": 0},
+}
+CHUNK_MB = 1e-3  # ~260 fp32 elements of this rank: every weight matrix its own chunk, biases grouped
+
+
+@functools.cache
+def _cpu_adam_skip() -> str | None:
+    from lightning_v17.optim import cpu_adam_cached
+
+    # a cold build of DeepSpeed's op takes minutes here; tests/dist/test_optim_library.py builds it when allowed
+    return None if cpu_adam_cached() else "DeepSpeed's cpu_adam op is not built yet (see test_optim_library.py)"
+
+
+def _build(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    from lightning_v17.optim import build_optimizer
+
+    return build_optimizer(name, model.parameters(), **OPTIMIZERS[name])
+
+
+def _train(name: str, offload: dict | None, *, probe=None) -> tuple[torch.nn.Module, torch.optim.Optimizer, list]:
+    model = make_model()
+    opt = _build(name, model)
+    if offload is not None:
+        attach_offload(opt, chunk_mb=CHUNK_MB, **offload)
+    x, y = make_data(STEPS * BATCH)
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+
+        def closure(s=s):
+            loss = loss_fn(model(x[s * BATCH : (s + 1) * BATCH]), y[s * BATCH : (s + 1) * BATCH])
+            loss.backward()
+            return loss
+
+        losses.append(opt.step(closure).item())  # the closure runs inside the offloaded step, as Lightning calls it
+        if probe is not None:
+            probe(opt)
+    return model, opt, losses
+
+
+def _own_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the per-parameter state tensors in ``opt.state`` (not scalars, not tensors shared between parameters
+    such as bitsandbytes' quantization maps, which stay in memory by design)."""
+    tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    count: dict[int, int] = {}
+    for v in tensors:
+        count[v.data_ptr()] = count.get(v.data_ptr(), 0) + 1
+    return sum(v.numel() * v.element_size() for v in tensors if count[v.data_ptr()] == 1)
+
+
+def _same(a, b) -> bool:
+    """Equal, bit for bit, through the nested dicts of bitsandbytes' state dicts."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _skip(name: str) -> None:
+    if name == "cpu_adam" and _cpu_adam_skip():
+        pytest.skip(_cpu_adam_skip())
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "split"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_offloaded_step_is_bitwise_the_plain_step(tmp_path, name: str, tier: str) -> None:
+    _skip(name)
+    ref_model, ref_opt, ref_losses = _train(name, None)
+    kw = {"tier": "nvme", "nvme_path": str(tmp_path), "ratio": 0.5} if tier == "split" else {"tier": tier}
+    if tier == "nvme":
+        kw["nvme_path"] = str(tmp_path)
+    seen: list[int] = []
+    model, opt, losses = _train(name, kw, probe=lambda o: seen.append(_own_state_bytes(o)))
+    off = offload_of(opt)
+    assert off is not None and len(off.chunks) >= 4, len(off.chunks)
+    assert losses == ref_losses
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert torch.equal(p, q), (name, tier, n, (p - q).abs().max().item())
+    plain = ref_opt.state_dict()
+    with materialized(opt):
+        got = opt.state_dict()
+        for i, st in plain["state"].items():
+            assert st.keys() == got["state"][i].keys(), (i, st.keys(), got["state"][i].keys())
+            for k, v in st.items():
+                assert _same(v, got["state"][i][k]), (name, i, k)
+    full = _own_state_bytes(ref_opt)
+    if tier == "cpu":
+        assert off.files is None and seen[-1] == full  # the cpu tier is host memory: the state stays there
+        return
+    on_disk = off.disk_bytes()
+    nvme = [c for c in off.chunks if c.tier == Tier.NVME]
+    assert all(c.spilled for c in nvme) and on_disk == sum(c.nbytes for c in nvme) > 0
+    if tier == "nvme":
+        assert on_disk >= 0.9 * full, (on_disk, full)  # (8-bit: the per-block absmax and codes are on disk too)
+        assert max(seen) == 0, (seen, full)  # between steps none of the per-parameter state is in memory
+    else:  # the first chunks, about half of the parameter elements, on nvme; the rest of the state in memory
+        on_nvme = sum(p.numel() for c in nvme for p in (off.params[i] for i in c.params))
+        assert 0 < len(nvme) < len(off.chunks) and 0.3 < on_nvme / sum(p.numel() for p in off.params) < 0.8
+        assert min(seen) > 0 and on_disk > 0
+    folder = off.files.folder
+    off.close()
+    assert not folder.exists() and not list(tmp_path.iterdir())  # the run folder is gone too
+
+
+def test_load_writes_back_to_the_tier(tmp_path) -> None:
+    """A state dict loaded into an offloaded optimizer lands on the nvme tier and the next steps use it: train 2
+    steps plain, load that state into a fresh offloaded optimizer, train 3 more; equals 5 plain steps bitwise."""
+    ref_model, _, ref_losses = _train("adamw", None)
+    model = make_model()
+    opt = _build("adamw", model)
+    x, y = make_data(STEPS * BATCH)
+
+    def run(steps):
+        out = []
+        for s in steps:
+            opt.zero_grad()
+            loss = loss_fn(model(x[s * BATCH : (s + 1) * BATCH]), y[s * BATCH : (s + 1) * BATCH])
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    losses = run(range(2))
+    saved = {k: v for k, v in opt.state_dict().items()}
+    saved = {"state": {i: {k: v.clone() for k, v in st.items()} for i, st in saved["state"].items()},
+             "param_groups": saved["param_groups"]}  # fmt: skip
+    fresh = _build("adamw", model)
+    off = attach_offload(fresh, tier="nvme", nvme_path=str(tmp_path), chunk_mb=CHUNK_MB)
+    with materialized(fresh):
+        fresh.load_state_dict(saved)
+    assert not fresh.state and off.disk_bytes() > 0  # loaded, then written to the tier and dropped from memory
+    opt = fresh
+    losses += run(range(2, STEPS))
+    assert losses == ref_losses
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert torch.equal(p, q), n
+    off.close()
+
+
+def test_closed_offload_names_the_reason(tmp_path) -> None:
+    _, opt, _ = _train("adamw", {"tier": "nvme", "nvme_path": str(tmp_path)})
+    offload_of(opt).close()
+    assert offload_of(opt) is None and "step" not in opt.__dict__  # the optimizer's own step is back
+    # a save after teardown must not hand out an empty state
+    with pytest.raises(RuntimeError, match="released when the Trainer tore the strategy down"), materialized(opt):
+        pass
+    _, opt, _ = _train("adamw", {"tier": "cpu"})  # the cpu tier loses nothing at close: its state stays readable
+    offload_of(opt).close()
+    with materialized(opt):
+        assert len(opt.state) == len(list(opt.param_groups[0]["params"]))
+
+
+def test_free_space_checked_before_step_zero(tmp_path) -> None:
+    """The planner's bytes for this rank's state (AdamW: 8 B/param) against the drive's real free space: a
+    parameter on the meta device (no memory) big enough to overflow the drive is refused at attach time."""
+    import shutil
+
+    from lightning_v17.config import V17ConfigError
+
+    free = shutil.disk_usage(tmp_path).free
+    big = torch.nn.Parameter(torch.empty(free // 8 + 1, device="meta"))
+    opt = torch.optim.AdamW([big])
+    with pytest.raises(V17ConfigError, match=r"nvme_path=.* GiB free, but this rank offloads"):
+        attach_offload(opt, tier="nvme", nvme_path=str(tmp_path))
+    assert not list(tmp_path.iterdir())  # nothing was created
+    small = torch.nn.Parameter(torch.empty(free // 8 // 4, device="meta"))  # fits: then the meta device is refused
+    with pytest.raises(V17ConfigError, match=r"parameters on \['meta'\] is not implemented"):
+        attach_offload(torch.optim.AdamW([small]), tier="nvme", nvme_path=str(tmp_path))
