@@ -139,6 +139,77 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+class CommTimer:
+    """Main-thread time spent blocked in collectives over the timed steps: *exposed* communication.
+
+    Installed once per worker (:meth:`install`), it wraps the ``torch.distributed`` collectives called from Python
+    (a synchronous call is timed whole: it blocks the caller) and ``Work.wait`` (an asynchronous one blocks only
+    while it is waited for). Time a collective spends running on gloo's threads while the main thread computes is
+    hidden, so it is not counted. Includes the wait for a slower peer rank (skew) at each sync point: that is what
+    the step loses there. Only counted while :attr:`active` (the :class:`StepTimer` window), and nested calls once
+    (a synchronous collective that waits internally is counted by its outer call only). Collectives issued from C++
+    (DDP's reducer) are invisible here, so Lightning ``"ddp"`` reports only its Python-level ones.
+    """
+
+    OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
+           "all_gather", "reduce_scatter", "_broadcast_coalesced", "all_gather_object", "broadcast_object_list")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.active = False
+        self.installed = False
+        self.seconds: dict[str, float] = {}
+        self._depth = 0
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        timer = self
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if not timer.active or timer._depth:
+                return fn(*args, **kwargs)
+            timer._depth += 1
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer._depth -= 1
+                if not kwargs.get("async_op"):
+                    timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - t
+
+        wrapped._v17_comm_timed = True  # type: ignore[attr-defined]
+        return wrapped
+
+    def install(self) -> CommTimer:
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import Work
+
+        for name in self.OPS:
+            fn = getattr(dist, name, None)
+            if fn is not None and not getattr(fn, "_v17_comm_timed", False):
+                setattr(dist, name, self._timed(name, fn))
+        wait = Work.wait
+        timer = self
+
+        def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            if not timer.active or timer._depth:
+                return wait(work, *args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return wait(work, *args, **kwargs)
+            finally:
+                timer.seconds["wait"] = timer.seconds.get("wait", 0.0) + time.perf_counter() - t
+
+        Work.wait = timed_wait
+        self.installed = True
+        return self
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+
+COMM = CommTimer()
+
+
 class StepTimer:
     """Barrier-synchronized wall clock over the timed steps (the slowest rank decides, warm-up excluded).
 
@@ -167,7 +238,9 @@ class StepTimer:
             self.t0 = time.perf_counter()
             self.cpu0 = time.process_time()
             self._last = self.t0
+            COMM.active = True
         elif step == self.warmup + self.steps - 1:
+            COMM.active = False
             self.cpu1 = time.process_time()  # before the barrier: waiting for the other rank is not our work
             dist.barrier()
             self.t1 = time.perf_counter()
@@ -194,6 +267,12 @@ def write_result(path: str, timer: StepTimer, shape: GPTShape, world_size: int, 
         "step_s_median": statistics.median(timer.step_s) if timer.step_s else None,
         **extra,
     }
+    if COMM.installed:  # exposed communication: main-thread seconds blocked in collectives per second of the window
+        res.update(
+            comm_wait_s=COMM.total_s,
+            comm_wait_by_op_s={k: round(v, 4) for k, v in sorted(COMM.seconds.items())},
+            exposed_comm_share=COMM.total_s / secs,
+        )
     with open(path, "w") as f:
         json.dump(res, f)
 
@@ -305,12 +384,26 @@ def summarize(runs: list[dict]) -> dict:
         "rounds_tokens_per_s": [round(r["ranks"][0]["tokens_per_s"], 1) for r in ok],
         "rounds_tokens_per_cpu_s": [round(_per_cpu_s(r), 1) for r in ok],
         "step_s_median": [round(r["ranks"][0]["step_s_median"], 4) for r in ok if r["ranks"][0]["step_s_median"]],
+        # median over rounds of the mean over ranks (None for results written before the CommTimer existed)
+        "exposed_comm_share": _median_comm(ok),
+        "rounds_exposed_comm_share": [_mean_comm(r) for r in ok],
+        "comm_wait_by_op_s_rank0_last_round": ok[-1]["ranks"][0].get("comm_wait_by_op_s"),
         "loss_last": ok[-1]["ranks"][0].get("loss_last"),
     }
     bad = [r["error"] for r in runs if not r["ok"]]
     if bad:
         out["failed_rounds"] = bad
     return out
+
+
+def _mean_comm(run: dict) -> float | None:
+    shares = [k.get("exposed_comm_share") for k in run["ranks"]]
+    return round(statistics.mean(shares), 4) if all(x is not None for x in shares) else None
+
+
+def _median_comm(runs: list[dict]) -> float | None:
+    vals = [v for v in (_mean_comm(r) for r in runs) if v is not None]
+    return round(statistics.median(vals), 4) if vals else None
 
 
 def _per_cpu_s(run: dict) -> float:

@@ -13,6 +13,16 @@ Output: one JSON object on stdout (and in ``--json-out``)::
     {"model": {...}, "world_size": 2, "results": {name: {"tokens_per_s", "peak_rss_mb": [r0, r1], ...}},
      "ratios": {"v17_zero3/lightning_model_parallel": ..., ...}}
 
+``exposed_comm_share`` (per configuration) is the share of the timed window that rank 0 and rank 1 (mean) spent
+blocked in collectives on the main thread (``_common.CommTimer``: synchronous collectives timed whole, asynchronous
+ones while waited for), i.e. communication not hidden behind compute, peer skew included; the ``v17_zero*_sync``
+configurations run the same strategy with ``overlap_comm=False``, the "before" of the overlap. DDP's reducer issues
+its collectives from C++, which this timer does not see. ``V17_BENCH_COMM_TIMER=0`` leaves the DeepSpeed workers
+untimed (to rule the timer out when DeepSpeed misbehaves). Note: DeepSpeed JIT-builds its ``deepspeed_shm_comm`` op
+at the first CPU run (minutes on a busy machine); a run killed by ``--timeout`` during that build leaves a stale
+``~/.cache/torch_extensions/py311_cpu/deepspeed_shm_comm/lock`` that makes every later DeepSpeed start wait forever:
+give the first run a long ``--timeout``.
+
 tokens/s is global (both ranks) over the timed steps, between barriers; warm-up steps are excluded. Peak RSS is
 ``ru_maxrss`` of each rank's process, in MB. ``tokens_per_cpu_s`` (and ``ratios_per_cpu_s``) divide the same tokens
 by the process CPU time of both ranks over the same steps: when other jobs share the cores, wall-clock ratios mostly
@@ -46,6 +56,11 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "v17_zero1": ("lightning", "v17:1"),
     "v17_zero2": ("lightning", "v17:2"),
     "v17_zero3": ("lightning", "v17:3"),
+    # the same with every collective synchronous (overlap_comm=False): the "before" of the overlap, for its share of
+    # exposed communication and its speed-up, in the same invocation
+    "v17_zero1_sync": ("lightning", "v17:1:sync"),
+    "v17_zero2_sync": ("lightning", "v17:2:sync"),
+    "v17_zero3_sync": ("lightning", "v17:3:sync"),
     "lightning_model_parallel": ("lightning", "model_parallel"),
     "lightning_ddp": ("lightning", "ddp"),
     "deepspeed_zero1": ("deepspeed", "1"),
@@ -60,6 +75,10 @@ RATIOS = [
     ("v17_zero3", "lightning_ddp"),
     ("v17_zero1", "lightning_ddp"),
     ("v17_zero2", "lightning_model_parallel"),
+    ("v17_zero2", "lightning_ddp"),
+    ("v17_zero1", "v17_zero1_sync"),
+    ("v17_zero2", "v17_zero2_sync"),
+    ("v17_zero3", "v17_zero3_sync"),
 ]
 
 
@@ -68,6 +87,7 @@ RATIOS = [
 
 def _lightning_worker(args: argparse.Namespace, which: str) -> None:
     rank, world = C.worker_setup()
+    C.COMM.install()
     import lightning as L
     import torch
 
@@ -114,7 +134,8 @@ def _lightning_worker(args: argparse.Namespace, which: str) -> None:
     if which.startswith("v17:"):
         from lightning_v17.strategies import V17Strategy
 
-        strategy = V17Strategy(zero_stage=int(which.split(":")[1]))
+        parts = which.split(":")
+        strategy = V17Strategy(zero_stage=int(parts[1]), overlap_comm=parts[-1] != "sync")
     elif which == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -173,6 +194,8 @@ def _deepspeed_worker(args: argparse.Namespace, stage: int) -> None:
     import deepspeed
     import torch
 
+    if os.environ.get("V17_BENCH_COMM_TIMER", "1") == "1":
+        C.COMM.install()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.set_num_threads(1)  # in case an import reset it
     shape = C.GPTShape(**json.loads(args.shape))
@@ -315,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads_per_rank": 1,
         "results": results,
         **C.ratio_tables(results, names, RATIOS),
+        "exposed_comm_share": {n: results[n].get("exposed_comm_share") for n in todo},
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     C.emit_json(out, args.json_out)

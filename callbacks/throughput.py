@@ -97,7 +97,9 @@ class ThroughputMonitor(Callback):
     convention).
 
     Step-time breakdown per rank, as shares of the wall time: ``data_wait`` (end of the previous batch to this
-    batch's start, minus checkpoint blocking: Lightning's per-batch sigterm broadcast and the batch fetch), ``fwd_bwd`` (batch start to ``on_before_optimizer_step``, i.e.
+    batch's start, minus checkpoint blocking and minus any validation run in between, which belongs to no training
+    step: Lightning's per-batch sigterm broadcast and the batch fetch), ``fwd_bwd`` (batch start to
+    ``on_before_optimizer_step``, i.e.
     forward, backward, gradient reduction, unscale), ``optimizer`` (the rest of the batch: clipping, step, zero-grad
     bookkeeping), ``checkpoint`` (the increase of ``checkpoint_blocking_s`` -- cumulative seconds -- exposed by any
     callback or by the strategy; see :data:`CHECKPOINT_BLOCKING_ATTR`).
@@ -148,6 +150,8 @@ class ThroughputMonitor(Callback):
         self._t_opt: float | None = None
         self._wait = 0.0
         self._ckpt_prev = 0.0
+        self._t_val: float | None = None
+        self._val_s = 0.0  # validation seconds since the last training batch ended (not part of any step)
 
     # -- resolution of FLOPs and peak ---------------------------------------------------------------------------
     def _resolve_peak(self, trainer: pl.Trainer) -> float:
@@ -203,6 +207,7 @@ class ThroughputMonitor(Callback):
         self.tracker = None
         self._seen = 0
         self._t_prev_end = None
+        self._t_val, self._val_s = None, 0.0
         self._ckpt_prev = self._checkpoint_blocking(trainer)
 
     @staticmethod
@@ -212,9 +217,19 @@ class ThroughputMonitor(Callback):
             total += float(getattr(cb, CHECKPOINT_BLOCKING_ATTR, 0.0) or 0.0)
         return total
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_val = time.perf_counter() if self._t_prev_end is not None else None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._t_val is not None:
+            self._val_s += time.perf_counter() - self._t_val
+            self._t_val = None
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         now = time.perf_counter()
-        self._wait = now - self._t_prev_end if self._t_prev_end is not None else 0.0
+        # a validation run between two training batches is not data wait (nor any part of a training step)
+        gap = now - self._t_prev_end - self._val_s if self._t_prev_end is not None else 0.0
+        self._wait, self._val_s = max(0.0, gap), 0.0
         self._t_start = now
         self._t_opt = None
 

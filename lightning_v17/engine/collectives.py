@@ -33,11 +33,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DeferredReduceScatters",
     "FSDPAllToAllAllGather",
     "FSDPAllToAllReduceScatter",
     "PendingReduceScatter",
     "all_gather",
     "install_fsdp_comms",
+    "is_cpu_gloo",
     "reduce_scatter",
     "use_all_to_all",
 ]
@@ -66,6 +68,10 @@ class PendingReduceScatter:
     def __init__(self, work: Any, recv: torch.Tensor, out: torch.Tensor, world: int, average: bool) -> None:
         self._work, self._recv, self._out, self._world, self._average = work, recv, out, world, average
 
+    def is_completed(self) -> bool:
+        """Whether the transfer has finished (then :meth:`wait` only sums locally); True once waited."""
+        return self._work is None or bool(self._work.is_completed())
+
     def wait(self) -> bool:
         if self._work is not None:
             self._work.wait()
@@ -74,6 +80,54 @@ class PendingReduceScatter:
                 self._out.div_(self._world)
             self._work = self._recv = None
         return True
+
+
+class DeferredReduceScatters:
+    """ZeRO-3 gradient reduce-scatters left in flight on gloo's worker threads while backward computes, finished at
+    the end of the backward pass (an autograd final callback, queued after FSDP2's own root callback).
+
+    On CUDA, FSDP2 overlaps its reduce-scatters with compute on a separate stream. On CPU its "streams" are no-ops,
+    so the reduce-scatter of every unit runs synchronously inside that unit's post-backward hook and backward waits
+    for it. Here the all-to-all is started there and only its local sum (``PendingReduceScatter.wait``) is left for
+    later; the sharded gradients FSDP2 installs are views of the output, which nothing reads before backward ends
+    (:class:`FSDPAllToAllReduceScatter` keeps the synchronous path whenever something would: an existing gradient to
+    accumulate into, a post-accumulate-grad hook, a dtype cast, an HSDP all-reduce). Clipping, gradient-norm
+    callbacks, loss-scaler inf checks and the optimizer all run after backward, so they see finished gradients.
+
+    The arithmetic is the same as the synchronous path (the same sum in rank order, the same division), so the
+    results are bitwise identical. Memory: each reduce-scatter in flight holds its receive buffer (one unit's
+    unsharded gradients); at most ``max_pending`` are kept, the oldest is finished when one more starts, and those
+    already transferred are finished whenever another one starts.
+    """
+
+    def __init__(self, max_pending: int = 2) -> None:
+        self.max_pending = max_pending
+        self.pending: list[PendingReduceScatter] = []
+        self._queued_for: int | None = None  # the autograd graph task a drain callback is queued in
+
+    def add(self, pending: PendingReduceScatter) -> None:
+        """Keep ``pending`` in flight; first finish the earlier ones that are done, or the oldest beyond the cap."""
+        done = [p for p in self.pending if p.is_completed()]
+        for p in done:
+            p.wait()
+        self.pending = [p for p in self.pending if p not in done]
+        self.pending.append(pending)
+        while len(self.pending) > self.max_pending:
+            self.pending.pop(0).wait()
+        task = torch._C._current_graph_task_id()
+        if not self.pending or self._queued_for == task:
+            return
+        if task < 0:  # not inside a backward pass: no callback would run, finish now
+            self.drain()
+            return
+        torch.autograd.Variable._execution_engine.queue_callback(self.drain)
+        self._queued_for = task
+
+    def drain(self) -> None:
+        """Finish every reduce-scatter in flight (in issue order)."""
+        self._queued_for = None
+        while self.pending:
+            self.pending.pop(0).wait()
 
 
 def reduce_scatter(
@@ -100,7 +154,13 @@ def reduce_scatter(
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, *, group: Any, async_op: bool = False) -> Any:
-    """``out = cat(inp_0, ..., inp_{W-1})``: on gloo one ``all_to_all_single`` of ``inp`` repeated W times."""
+    """``out = cat(inp_0, ..., inp_{W-1})``: on gloo one ``all_to_all_single`` of ``inp`` repeated W times.
+
+    1-byte float dtypes (float8, which FSDP2 gathers under torchao's float8 all-gather) travel as ``uint8`` views:
+    gloo has no float8 types ("Invalid scalar type") and a gather only moves bytes.
+    """
+    if out.dtype.itemsize == 1 and out.dtype.is_floating_point:
+        out, inp = out.view(torch.uint8), inp.view(torch.uint8)
     world = dist.get_world_size(group)
     if not use_all_to_all(group):
         return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
@@ -127,7 +187,29 @@ except ImportError:  # pragma: no cover - older torch: install_fsdp_comms is a n
 
 class FSDPAllToAllReduceScatter(_Alloc, _ReduceScatterBase):  # type: ignore[misc,valid-type]
     """FSDP2 ``ReduceScatter`` for gloo groups: all-to-all + local sum. Ops other than SUM/AVG (FSDP2 uses
-    PREMUL_SUM for a custom gradient divide factor) fall back to the native collective."""
+    PREMUL_SUM for a custom gradient divide factor) fall back to the native collective.
+
+    With ``deferred`` (one per FSDP module, ``fsdp_state`` its FSDP2 state), an AVG reduce-scatter (what FSDP2 uses
+    for fp32/bf16 gradients) is left in flight and finished at the end of backward (:class:`DeferredReduceScatters`)
+    whenever FSDP2 would only *view* the output until then: no sharded gradient of the unit exists yet (otherwise
+    FSDP2 adds into it at once), no post-accumulate-grad hook would read it, and no dtype cast follows.
+    """
+
+    def __init__(self, deferred: DeferredReduceScatters | None = None, fsdp_state: Any = None) -> None:
+        self.deferred, self.fsdp_state = deferred, fsdp_state
+
+    def _can_defer(self, output: torch.Tensor) -> bool:
+        if self.deferred is None or self.fsdp_state is None:
+            return False
+        try:
+            for pg in self.fsdp_state._fsdp_param_groups:
+                for fp in pg.fsdp_params:
+                    p = fp.sharded_param
+                    if p.grad is not None or getattr(p, "_post_accumulate_grad_hooks", None) or p.dtype != output.dtype:
+                        return False
+        except AttributeError:  # FSDP2 internals moved: keep the synchronous path
+            return False
+        return True
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
@@ -135,6 +217,9 @@ class FSDPAllToAllReduceScatter(_Alloc, _ReduceScatterBase):  # type: ignore[mis
         average = _is(op, dist.ReduceOp.AVG)
         if not (average or _is(op, dist.ReduceOp.SUM)):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if not async_op and average and self._can_defer(output_tensor):
+            self.deferred.add(reduce_scatter(output_tensor, input_tensor, group=group, average=True, async_op=True))
+            return None
         return reduce_scatter(output_tensor, input_tensor, group=group, average=average, async_op=async_op)
 
 
@@ -147,15 +232,33 @@ class FSDPAllToAllAllGather(_Alloc, _AllGatherBase):  # type: ignore[misc,valid-
         return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def install_fsdp_comms(modules: list[Any], group: Any) -> bool:
+def install_fsdp_comms(modules: list[Any], group: Any, *, defer_reduce_scatter: bool = False) -> bool:
     """Give every FSDP2 module in ``modules`` the all-to-all collectives when ``group`` (the dp_shard group) is gloo.
+
+    Args:
+        modules: FSDP2 modules (``fully_shard`` applied).
+        group: their dp_shard process group.
+        defer_reduce_scatter: leave gradient reduce-scatters in flight until the end of backward
+            (:class:`DeferredReduceScatters`); only for a 1-D shard mesh (HSDP all-reduces the output at once).
 
     Returns whether they were installed (False on NCCL and other backends, or a torch without the hooks).
     """
     if _AllGatherBase is object or not use_all_to_all(group):
         return False
-    rs, ag = FSDPAllToAllReduceScatter(), FSDPAllToAllAllGather()
+    ag = FSDPAllToAllAllGather()
+    deferred = DeferredReduceScatters() if defer_reduce_scatter else None
     for m in modules:
-        m.set_custom_reduce_scatter(rs)
+        state = m._get_fsdp_state() if deferred is not None and hasattr(m, "_get_fsdp_state") else None
+        m.set_custom_reduce_scatter(FSDPAllToAllReduceScatter(deferred, state))
         m.set_custom_all_gather(ag)
     return True
+
+
+def is_cpu_gloo(group: Any) -> bool:
+    """True when ``group`` is a gloo group of more than one rank (its async work runs on gloo's worker threads)."""
+    if group is None or not dist.is_initialized():
+        return False
+    try:
+        return dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1
+    except (RuntimeError, ValueError):
+        return False

@@ -15,9 +15,16 @@ import torch
 from torch import nn
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.collectives import install_fsdp_comms
+from lightning_v17.engine.collectives import install_fsdp_comms, is_cpu_gloo
 
-__all__ = ["apply_fsdp", "find_wrap_units", "has_meta", "materialize_meta_module", "set_requires_gradient_sync"]
+__all__ = [
+    "apply_fsdp",
+    "find_wrap_units",
+    "has_meta",
+    "materialize_meta_module",
+    "set_cpu_prefetch",
+    "set_requires_gradient_sync",
+]
 
 
 def find_wrap_units(module: nn.Module, wrap_classes: Sequence[str] = ()) -> list[nn.Module]:
@@ -66,6 +73,8 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     offload_params: bool = False,
+    overlap_comm: bool = True,
+    prefetch_units: int = 1,
 ) -> list[nn.Module]:
     """ZeRO-3 with FSDP2: ``fully_shard`` each unit, then the residual top-level children as one group.
 
@@ -85,6 +94,14 @@ def apply_fsdp(
             master copy.
         reduce_dtype: gradient reduce-scatter dtype (fp32 for mixed precision).
         offload_params: keep sharded parameters (and gradients) on CPU (FSDP2 ``CPUOffloadPolicy``).
+        overlap_comm: on CPU over gloo, overlap the collectives with compute: all-gather the next
+            ``prefetch_units`` units asynchronously while the current one computes (forward and backward, see
+            :func:`set_cpu_prefetch`) and leave gradient reduce-scatters in flight until the end of backward
+            (:class:`~lightning_v17.engine.collectives.DeferredReduceScatters`). Results are bitwise unchanged.
+            Elsewhere (CUDA/NCCL) FSDP2 overlaps on its own streams and this changes nothing.
+        prefetch_units: how many units ahead to all-gather (DeepSpeed's ``stage3_prefetch_bucket_size``, counted in
+            units as FSDP2's ``set_modules_to_forward_prefetch``); each one more keeps one more unit gathered.
+            0: no prefetch (the reduce-scatters still overlap with ``overlap_comm``).
 
     Returns:
         The modules that were sharded (units first, then the residual group members).
@@ -128,9 +145,42 @@ def apply_fsdp(
     # On gloo, reduce-scatter and all-gather as one all_to_all each (engine/collectives.py: ~2x and ~1.5x faster);
     # NCCL keeps FSDP2's native collectives.
     shard_group = mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
-    fsdp_modules = sharded
-    install_fsdp_comms(fsdp_modules, shard_group)
+    # On CPU, FSDP2's streams are no-ops: every all-gather and reduce-scatter runs synchronously on the main thread.
+    # gloo runs async work on its own threads, so issuing them async is what overlaps them with compute here.
+    cpu_overlap = overlap_comm and mesh.device_type == "cpu" and is_cpu_gloo(shard_group)
+    # HSDP all-reduces each reduce-scatter output at once inside FSDP2, so only a 1-D shard mesh defers them.
+    install_fsdp_comms(sharded, shard_group, defer_reduce_scatter=cpu_overlap and mesh.ndim == 1)
+    if cpu_overlap and prefetch_units > 0:
+        set_cpu_prefetch(units, root[0] if root else None, depth=prefetch_units)
     return sharded
+
+
+def set_cpu_prefetch(units: Sequence[nn.Module], root: nn.Module | None, *, depth: int) -> bool:
+    """Explicit asynchronous prefetch of the next ``depth`` units' all-gathers, in forward and in backward.
+
+    FSDP2's implicit prefetch relies on CUDA streams; on CPU its unshards are synchronous (``async_op=False``). Here
+    every unit unshards with ``async_op=True`` (FSDP2 waits on the handle in the unit's own pre-forward/pre-backward)
+    and names the units it prefetches (FSDP2's ``set_modules_to_forward_prefetch`` /
+    ``set_modules_to_backward_prefetch``): the root prefetches the first ``depth`` units (last ones in backward),
+    unit ``i`` the units ``i+1 .. i+depth`` in forward and ``i-1 .. i-depth`` in backward. Forward order is assumed
+    to be the order of ``units`` (module order); a unit that runs out of that order is still waited for correctly,
+    it only overlaps less. Returns False (nothing set) on a torch without FSDP2's ``_set_unshard_async_op``.
+    """
+    units = list(units)
+    mods = [*units, *([root] if root is not None else [])]
+    if not all(hasattr(m, "_set_unshard_async_op") for m in mods):
+        return False
+    for m in mods:
+        m._set_unshard_async_op(True)
+    for i, u in enumerate(units):
+        if units[i + 1 : i + 1 + depth]:
+            u.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
+        if i > 0:
+            u.set_modules_to_backward_prefetch(units[max(0, i - depth) : i][::-1])
+    if root is not None and units:
+        root.set_modules_to_forward_prefetch(units[:depth])
+        root.set_modules_to_backward_prefetch(units[::-1][:depth])
+    return True
 
 
 def has_meta(module: nn.Module) -> bool:

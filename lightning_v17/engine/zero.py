@@ -75,6 +75,10 @@ class ZeroEngine:
         bucket_mb: bucket size in MiB (DeepSpeed's ``reduce_bucket_size``).
         reduce_dtype: dtype of the gradient reduction (None: the gradient's own dtype).
         partition: "auto", "rows" or "params" (see above).
+        overlap: start each bucket's reduction (async, on gloo's threads or NCCL's stream) from the gradient hooks
+            as soon as all of its gradients are ready, in bucket order, so it runs while backward computes the
+            earlier layers; the end of backward waits for what is still in flight. False: every bucket is
+            reduced at the end of backward (the A/B baseline; bitwise the same gradients).
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class ZeroEngine:
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         partition: str = "auto",
+        overlap: bool = True,
     ) -> None:
         if partition not in PARTITIONS:
             raise V17ConfigError(f"optimizer_partition={partition!r}; choose one of {list(PARTITIONS)}")
@@ -108,6 +113,7 @@ class ZeroEngine:
         self.dp = self.world * self.replicas
         #: False during accumulation micro-steps: gradients accumulate locally, nothing is communicated.
         self.require_grad_sync = True
+        self.overlap = overlap
         self._callback_queued = False
         self._next_launch = 0
 
@@ -230,6 +236,8 @@ class ZeroEngine:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
+        if not self.overlap:
+            return
         i = self.bucket_of[id(p)]
         self.buckets[i].ready.add(id(p))
         # Launch in bucket order only, so every rank issues the same collectives in the same order.
@@ -505,12 +513,15 @@ def apply_zero(
     reduce_dtype: torch.dtype | None = None,
     offload_params: bool = False,
     optimizer_partition: str = "auto",
+    overlap_comm: bool = True,
+    prefetch_units: int = 1,
 ) -> ZeroEngine | None:
     """Apply ZeRO ``stage`` to ``module`` over the data-parallel axes of ``mesh`` (a DeviceMesh with axes
     "dp_replicate", "dp_shard" and the flattened "dp"). Returns the :class:`ZeroEngine` for stages 0-2, None for 3.
 
     ``param_dtype`` (stages 0-2) is ignored: mixed precision there is autocast (Lightning's precision plugin) over
-    fp32 parameters, which are then the master weights themselves.
+    fp32 parameters, which are then the master weights themselves. ``overlap_comm`` (every stage) and
+    ``prefetch_units`` (stage 3): see :class:`ZeroEngine` and :func:`~lightning_v17.engine.fsdp.apply_fsdp`.
     """
     replicate = mesh["dp_replicate"].size() > 1
     shard_mesh = mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
@@ -523,6 +534,8 @@ def apply_zero(
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             offload_params=offload_params,
+            overlap_comm=overlap_comm,
+            prefetch_units=prefetch_units,
         )
         return None
     engine = ZeroEngine(
@@ -534,6 +547,7 @@ def apply_zero(
         bucket_mb=bucket_mb,
         reduce_dtype=reduce_dtype,
         partition=optimizer_partition,
+        overlap=overlap_comm,
     )
     from lightning_v17.mesh import submesh
 
