@@ -3,6 +3,7 @@ sharding-aware clipping and fp16 inf check patched into Lightning's precision pl
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +94,11 @@ def patch_precision_plugin(strategy: V17Strategy) -> None:
         )
 
     plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+        # bf16-mixed: no scaler, so nothing is unscaled before the step, and Lightning's refusal to clip with an
+        # optimizer that "unscales internally" (torch's fused AdamW, the optim library's default) does not apply;
+        # it made the main job with precision="bf16-mixed" and gradient_clip_val fail at its first step.
+        plugin.clip_gradients = functools.partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and not isinstance(scaler, ShardedLossScaler):
         plugin.scaler = build_loss_scaler(strategy, like=scaler)
