@@ -1,20 +1,20 @@
 """The ONE place that composes the parallelism axes for any ``nn.Module`` (torchtitan's ``parallelize_llama``, for any
-model): validate once, then PP split -> TP -> activation checkpointing -> (FP8) -> ZeRO (-> offload) -> identical
+model): validate once, then PP split -> (FP8) -> TP -> activation checkpointing -> ZeRO (-> offload) -> identical
 initial weights on every replica.
 
 Why this order (torchtitan's, and Megatron's before it):
 
 1. **PP split first**: it prunes the model in place to this rank's stages, so everything after it only touches (and
    allocates) the local stages.
-2. **TP** before ZeRO: TP turns parameters into DTensors on the ``tp`` axis; ``fully_shard`` then adds the dp axis
+2. **FP8** (``engine/fp8.py``): the blocks' Linears become torchao ``Float8Linear`` after the split (each pipeline
+   stage converts its own blocks) and before TP and ZeRO (torchtitan's order: model converters, then parallelize),
+   so TP gives the converted Linears torchao's float8 styles (``Float8ColwiseParallel``/``Float8RowwiseParallel``)
+   and FSDP2 shards the converted modules (with float8 all-gather at ZeRO-3 for ``tensorwise``).
+3. **TP** before ZeRO: TP turns parameters into DTensors on the ``tp`` axis; ``fully_shard`` then adds the dp axis
    on top and sees one uniform 2-D layout (FSDP2 + TP, torchtitan's ``apply_fsdp`` after ``apply_tp``).
-3. **Activation checkpointing** wraps the blocks' ``forward`` after TP (so recomputation replays the TP
+4. **Activation checkpointing** wraps the blocks' ``forward`` after TP (so recomputation replays the TP
    collectives' local ops) and before ``fully_shard`` (whose hooks sit around ``__call__`` and unshard before the
-   recomputation).
-4. **FP8** (``engine/fp8.py``): the blocks' Linears become torchao ``Float8Linear`` after the split (each pipeline
-   stage converts its own blocks), after recompute (which patches the blocks' ``forward`` and keeps their children)
-   and before ZeRO, so FSDP2 shards the converted modules (fp32 all-gather today; float8 all-gather and torchao's
-   float8 TP styles are later slices, so fp8 with tp > 1 is refused).
+   recomputation); it patches the blocks' ``forward`` and keeps their (converted) children.
 5. **ZeRO** last; with stage 3 the meta-device model is materialized shard by shard afterwards.
 6. **Replicas agree**: every parameter is broadcast over the axes it is replicated on (``dp_replicate`` for HSDP,
    the whole ``dp`` group at stages 0-2, ``tp`` for tp-replicated parameters), so ranks that drew different random
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_v17.config import Recompute, Tier, TrainingPolicy, V17ConfigError
+from lightning_v17.config import FP8Recipe, Recompute, Tier, TrainingPolicy, V17ConfigError
 from lightning_v17.engine import fsdp as fsdp_engine
 from lightning_v17.engine import zero as zero_engine
-from lightning_v17.engine.fp8 import apply_fp8, check_fp8_composition
+from lightning_v17.engine.fp8 import FP8Runtime, apply_fp8, check_fp8_composition, float8_tp_plan
 from lightning_v17.engine.recompute import apply_activation_checkpointing
 from lightning_v17.engine.zero_backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime
@@ -60,6 +60,8 @@ class Parallelized:
         units: the repeated blocks (recompute units and ZeRO-3 FSDP units); empty if the model has none.
         recompute: the activation checkpointing mode applied to ``units``.
         fp8_layers: FQNs of the Linears converted to float8 (empty without ``policy.fp8``).
+        fp8: the FP8 runtime (``engine.fp8.FP8Runtime``: float8 all-gather scales after each optimizer step), or
+            None without ``policy.fp8``.
     """
 
     module: nn.Module
@@ -68,6 +70,7 @@ class Parallelized:
     units: list[nn.Module]
     recompute: Recompute
     fp8_layers: tuple[str, ...] = ()
+    fp8: FP8Runtime | None = None
 
 
 def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
@@ -77,7 +80,7 @@ def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
         V17ConfigError: naming the option and the fix.
     """
     stage = policy.zero.stage
-    check_fp8_composition(policy.fp8, tp=tp)
+    check_fp8_composition(policy.fp8, tp=tp, zero_stage=stage)
     if pp > 1:
         from lightning_v17.engine.pipeline import check_pipeline_composition
         from lightning_v17.planner.schedules import schedule_info
@@ -136,6 +139,8 @@ def apply_zero_stage(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         offload_params=policy.offload.params == Tier.CPU,
+        overlap_comm=z.overlap_comm,
+        prefetch_units=z.prefetch_units,
     )
     fsdp_engine.materialize_meta_module(module, device=device)
     return ZeroBackend(
@@ -249,19 +254,33 @@ def parallelize(
         stage_modules, stage_ids = split_model(
             module, layout=pp_layout, pp_rank=mesh.rank("pp"), pp=spec.pp, policy=policy.pipeline
         )
-    if spec.tp > 1:  # 2. DTensor plans over the tp axis
+    units = _units(module, policy)
+    fp8_layers: tuple[str, ...] = ()
+    fp8 = None
+    if policy.fp8 is not None:  # 2. the blocks' Linears to float8 (engine/fp8.py), before TP reshapes them
+        gather8 = policy.fp8.float8_all_gather(zero_stage=policy.zero.stage)
+        fp8_layers = apply_fp8(
+            module, policy=policy.fp8, units=units, device=device, float8_all_gather=gather8, tp=spec.tp
+        )
+        fp8 = FP8Runtime(
+            module, fp8_layers, float8_all_gather=gather8, delayed=policy.fp8.recipe == FP8Recipe.DELAYED,
+            amax_groups=tuple(mesh.group(a) for a in ("dp", "tp") if mesh[a].size() > 1),
+        )  # fmt: skip
+        if spec.tp > 1:  # torchao's float8 tensor-parallel styles for the converted Linears
+            tp_plan = float8_tp_plan(module, tp_plan, layers=fp8_layers)
+    if spec.tp > 1:  # 3. DTensor plans over the tp axis
         from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.sequence_parallel)
-    units = _units(module, policy)
-    apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 3. recompute the blocks
-    fp8_layers: tuple[str, ...] = ()
-    if policy.fp8 is not None:  # 4. the blocks' Linears to float8 (engine/fp8.py)
-        fp8_layers = apply_fp8(module, policy=policy.fp8, units=units, device=device)
+    apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model
         module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
     )
+    if fp8 is not None:
+        fp8.init_state()  # delayed scaling: fresh histories (a materialized meta model's buffers are garbage)
     sync_replicas(module, mesh=mesh, backend=backend)  # 6. one model on every replica
+    if fp8 is not None:
+        fp8.refresh_weight_scales()  # float8 all-gather: whole-weight scales from the first step on (see FP8Runtime)
     if spec.pp > 1:
         pipeline = build_schedule(
             stage_modules,
@@ -273,7 +292,8 @@ def parallelize(
             shift_labels=getattr(pp_layout, "shift_labels", False),
         )
     out = Parallelized(
-        module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute, fp8_layers=fp8_layers
+        module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute, fp8_layers=fp8_layers,
+        fp8=fp8,
     )
     module._v17_parallel = out  # type: ignore[assignment]
     return out

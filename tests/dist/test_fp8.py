@@ -1,4 +1,4 @@
-"""FP8 under sharding, 2 gloo ranks: ``parallelize`` with ``fp8`` at ZeRO-3 (fp32 all-gather) and ZeRO-1, tensorwise
+"""FP8 under sharding, 2 gloo ranks: ``parallelize`` with ``fp8`` at ZeRO-3 and ZeRO-1, tensorwise
 and rowwise, against the same recipe in one process; plus one run through ``V17Strategy`` in a Lightning Trainer.
 
 **What the single-process reference is.** Float8 scales are dynamic: each cast takes the amax of the tensor it
@@ -9,11 +9,14 @@ quantizes differently: over these 5 steps its losses differ by up to 9.7e-4 (ten
 relative, its parameters by up to 6.5e-2 and 2.9e-2 (measured here; e4m3 keeps 3 mantissa bits). The
 same recipe in one process is therefore the data-parallel recipe: each step runs the two ranks' 4-row halves as
 two micro-batches and averages their gradients, then steps. Everything a rank quantizes (its half's activations,
-the full weight, which ZeRO-3 all-gathers in fp32 and ZeRO-1 replicates) is then identical, and what remains is
+the full weight, which ZeRO-3 all-gathers (tensorwise: in float8, cast with the whole weight's scale) and ZeRO-1
+replicates) is then identical, and what remains is
 fp32 reduction order: losses and final parameters of 5 SGD steps agree within 1e-5 relative.
 
 The Trainer run (ZeRO-3, tensorwise, ``fp8_skip``) checks the strategy's options reach the model, against the
-same reference fed the rows each rank really read (Lightning's DistributedSampler shuffles them).
+same reference fed the rows each rank really read (Lightning's DistributedSampler shuffles them); it gathers the
+weights in float8 (the default at ZeRO-3 for tensorwise) and checks that after every step the strategy has
+recomputed each weight's scale from its new values.
 
 Each run also counts ``torch._scaled_mm`` per step (3 per converted Linear: output, grad_input, grad_weight), so a
 silent fall-back to high precision fails here too.
@@ -120,6 +123,7 @@ def _worker(rank: int, world: int, stage: int) -> dict:
             loss.backward()  # the mean gradient over the dp ranks (FSDP2 reduce-scatter / ZeRO-1 all-reduce)
             opt.step()
             done.zero.after_optimizer_step()  # ZeRO-1: every rank stepped its rows; make the parameters whole
+            done.fp8.after_optimizer_step()  # ZeRO-3 tensorwise: the float8 all-gather's scales of the new weights
             opt.zero_grad()
             per_step.append(len(calls) - before)
             total = loss.detach().clone()
@@ -157,14 +161,30 @@ def _trainer_worker(rank: int, world: int) -> dict:
 
     seen = []
 
+    scales_current = []
+
     class Rows(L.Callback):  # Lightning's DistributedSampler shuffles: record the rows this rank reads
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             seen.append(batch["input_ids"].clone())
 
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            # float8 all-gather (ZeRO-3 tensorwise): after the strategy's optimizer step every weight's precomputed
+            # scale is that of its new values (V17Strategy.optimizer_step -> FP8Runtime.after_optimizer_step)
+            from torchao.float8.float8_linear import Float8Linear
+
+            from tests.dist.test_fp8_all_gather import _expected_scale
+
+            for m in pl_module.modules():
+                if isinstance(m, Float8Linear):
+                    got = getattr(m.weight._local_tensor, "_precomputed_scale", None)
+                    want = _expected_scale(m.weight.full_tensor())
+                    scales_current.append(got is not None and bool((got == want).all()))
+
     calls = _count_scaled_mm()
     strategy = V17Strategy(zero_stage=3, fp8="tensorwise", fp8_skip=["*.mlp.down_proj"])
     losses = fit("hf_llama", strategy, devices=2, batch_size=4, steps=3, layers=LAYERS, callbacks=(Rows(),))
-    return {"losses": losses, "calls": len(calls), "fp8_layers": strategy.parallel.fp8_layers, "rows": seen}
+    return {"losses": losses, "calls": len(calls), "fp8_layers": strategy.parallel.fp8_layers, "rows": seen,
+            "gather8": strategy.parallel.fp8.float8_all_gather, "scales_current": scales_current}  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -174,6 +194,7 @@ def test_v17_strategy_fp8_option_reaches_the_model_in_a_trainer():
     for r in res:
         assert len(r["fp8_layers"]) == converted and not any("down_proj" in f for f in r["fp8_layers"]), r
         assert r["calls"] == 3 * converted * 3, r["calls"]  # 3 GEMMs per Linear per step, 3 steps
+        assert r["gather8"] and len(r["scales_current"]) == converted * 3 and all(r["scales_current"]), r
     from tests._models import mean_over_ranks
 
     rank_batches = [[r["rows"][step] for r in res] for step in range(3)]

@@ -211,16 +211,40 @@ def test_fp8_backend_te_without_an_fp8_gpu_names_the_fix():
         apply_fp8(_llama(), policy=FP8Policy("tensorwise", backend="te"), units=[], device="cpu")
 
 
-def test_fp8_delayed_is_refused_with_the_reason_and_the_fix():
-    with pytest.raises(V17ConfigError) as err:
-        _strategy(fp8="delayed")
-    msg = str(err.value)
-    assert "fp8='delayed'" in msg and "pytorch/ao#1680" in msg and "use fp8='tensorwise' or fp8='rowwise'" in msg
+def test_fp8_options_all_gather_and_history_len_parse_or_are_refused_with_the_fix():
+    from lightning_v17.engine.fp8 import float8_config
+
+    tw, rw = _strategy(fp8="tensorwise").policy.fp8, _strategy(fp8="rowwise").policy.fp8
+    assert tw.float8_all_gather(zero_stage=3) and not tw.float8_all_gather(zero_stage=1)  # auto: tensorwise at ZeRO-3
+    assert not rw.float8_all_gather(zero_stage=3)
+    off = _strategy(fp8="tensorwise", fp8_all_gather=False).policy.fp8
+    assert not off.float8_all_gather(zero_stage=3)
+    assert float8_config(tw, all_gather=True).enable_fsdp_float8_all_gather
+    assert not float8_config(tw).enable_fsdp_float8_all_gather
+    with pytest.raises(V17ConfigError, match=r"fp8_all_gather=True needs fp8='tensorwise' \(got fp8='rowwise'\)"):
+        _strategy(fp8="rowwise", fp8_all_gather=True)
+    with pytest.raises(V17ConfigError, match=r"fp8_all_gather=True applies to zero_stage=3.*set zero_stage=3"):
+        _strategy(fp8="tensorwise", fp8_all_gather=True, zero_stage=1)
+    with pytest.raises(V17ConfigError, match=r"fp8_all_gather apply only with fp8="):
+        _strategy(fp8_all_gather=True)
+    d = _strategy(fp8="delayed", fp8_amax_history_len=4).policy.fp8
+    assert d.history_len == 4 and _strategy(fp8="delayed").policy.fp8.history_len == 16
+    assert not d.float8_all_gather(zero_stage=3)
+    with pytest.raises(V17ConfigError, match=r"fp8_amax_history_len=4 applies only to fp8='delayed'"):
+        _strategy(fp8="tensorwise", fp8_amax_history_len=4)
+    with pytest.raises(V17ConfigError, match=r"fp8_amax_history_len=0 must be a positive integer"):
+        _strategy(fp8="delayed", fp8_amax_history_len=0)
 
 
-def test_fp8_with_tensor_parallel_is_refused_with_the_fix():
-    with pytest.raises(V17ConfigError) as err:
-        _strategy(fp8="tensorwise", tp=2)
-    msg = str(err.value)
-    assert "fp8='tensorwise' with tp=2 is not supported yet" in msg and "use fp8 with tp=1" in msg
+def test_fp8_with_tensor_parallel_only_tensorwise_and_the_dims_rule_scales_with_tp():
+    _strategy(fp8="tensorwise", tp=2)  # torchao's float8 TP styles
+    for recipe in ("rowwise", "delayed"):
+        with pytest.raises(V17ConfigError) as err:
+            _strategy(fp8=recipe, tp=2)
+        msg = str(err.value)
+        assert f"fp8={recipe!r} with tp=2 is not supported" in msg and "fp8='tensorwise' with tp > 1" in msg
     _strategy(fp8="tensorwise", tp=1, pp=2, zero_stage=1)  # pp is fine: each stage converts its own blocks
+    model = _llama()  # hidden 128, kv out 64, ffn 384: every dim divides 16 x 2 = 32, not 16 x 8 = 128
+    assert len(select_fp8_linears(model, units=find_wrap_units(model), tp=2).convert) == 14
+    sel = select_fp8_linears(model, units=find_wrap_units(model), tp=8)
+    assert {f.rsplit(".", 1)[-1] for f, _, _ in sel.kept_for_dims} == {"wk", "wv"}  # out 64 % 128

@@ -41,6 +41,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _storage_tensors(tensors: Iterable[Any]) -> Iterable[torch.Tensor]:
+    """The tensors that own storage: a DTensor's local tensor, and a wrapper subclass's inner tensors (torchao's
+    float8 all-gather weight, ``WeightWithDynamicFloat8CastTensor``, has no storage of its own: reading its
+    ``data_ptr`` raises "invalid python storage")."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = _local(t)
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            yield from _storage_tensors(getattr(t, n) for n in names)
+        else:
+            yield t
+
+
 class StorageCounter:
     """Sums storage bytes, counting each underlying storage once across all calls."""
 
@@ -50,10 +67,7 @@ class StorageCounter:
     def add(self, tensors: Iterable[Any]) -> int:
         """Bytes of the storages of ``tensors`` not seen before (non-tensors and meta tensors are ignored)."""
         total = 0
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
-            t = _local(t)
+        for t in _storage_tensors(tensors):
             if t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
