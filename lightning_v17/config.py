@@ -263,6 +263,10 @@ class ZeroPolicy:
             parameter along dim 0 (balanced; exact for elementwise optimizers: SGD/Adam/AdamW/...). "params": whole
             parameters per rank, as ``ZeroRedundancyOptimizer`` (exact for any per-parameter optimizer: Adafactor,
             Muon, 8-bit). "auto": "rows" if every optimizer is an elementwise ``torch.optim`` class, else "params".
+        overlap_comm: overlap gradient reductions and (stage 3) parameter all-gathers with compute where the
+            backend does not already (gloo on CPU: async work on gloo's threads). Bitwise the same results.
+        prefetch_units: stage 3 with ``overlap_comm``: how many ZeRO-3 units ahead to all-gather, in forward and in
+            backward (DeepSpeed's ``stage3_prefetch_bucket_size``, counted in units); 0 turns prefetching off.
     """
 
     stage: int = 3
@@ -270,6 +274,8 @@ class ZeroPolicy:
     wrap_classes: tuple[str, ...] = ()
     bucket_mb: float = 25.0
     optimizer_partition: str = "auto"
+    overlap_comm: bool = True
+    prefetch_units: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -279,6 +285,11 @@ class ZeroPolicy:
             )
         if self.bucket_mb <= 0:
             raise V17ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
+            raise V17ConfigError(
+                f"prefetch_units={self.prefetch_units!r} must be an integer >= 0 (ZeRO-3 units all-gathered ahead; "
+                "0: no prefetch)"
+            )
         if self.optimizer_partition not in ("auto", "rows", "params"):
             raise V17ConfigError(
                 f"optimizer_partition={self.optimizer_partition!r}; choose 'auto', 'rows' (dim-0 slices, elementwise "
@@ -300,17 +311,43 @@ class OffloadPolicy:
         optimizer: where optimizer state and the fp32 master live: "none", "cpu" or "nvme".
         params: where sharded parameters live between uses: "none", "cpu" or "nvme".
         nvme_path: directory for the NVMe tier; required when either tier is "nvme".
+        optimizer_ratio: fraction (0, 1] of the optimizer state, in bytes at chunk granularity, on the
+            ``optimizer`` tier; the rest stays one tier up (nvme -> host memory; cpu -> device memory). DeepSpeed's
+            ``offload_optimizer.ratio``; a cpu/nvme split answers DeepSpeed#5508.
+        buffer_count: chunk buffers of the nvme reader (>= 2): the step reads ``buffer_count - 1`` chunks of
+            optimizer state ahead of use (DeepSpeed's ``offload_optimizer.buffer_count``).
+        chunk_mb: MiB of a rank's fp32 parameter elements whose optimizer state steps (and moves) together, the unit
+            of the offloaded step (like DeepSpeed's ``zero_optimization.sub_group_size``, which counts elements; not mapped from a
+            DeepSpeed config, where it also sizes the step without offload).
     """
 
     optimizer: Tier = Tier.NONE
     params: Tier = Tier.NONE
     nvme_path: str | None = None
+    optimizer_ratio: float = 1.0
+    buffer_count: int = 2
+    chunk_mb: float = 4.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "offload_optimizer"))
         object.__setattr__(self, "params", Tier.parse(self.params, "offload_params"))
         if Tier.NVME in (self.optimizer, self.params) and not self.nvme_path:
             raise V17ConfigError("an 'nvme' offload tier needs nvme_path=<directory on a local NVMe drive>")
+        ratio = self.optimizer_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+            raise V17ConfigError(f"offload_optimizer_ratio={ratio!r} must be a number in (0, 1]")
+        if ratio < 1.0 and self.optimizer == Tier.NONE:
+            raise V17ConfigError(
+                f"offload_optimizer_ratio={ratio!r} splits an offloaded optimizer state; set offload_optimizer='cpu' "
+                "or 'nvme', or drop the ratio"
+            )
+        object.__setattr__(self, "optimizer_ratio", float(ratio))
+        if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
+            raise V17ConfigError(
+                f"offload buffer_count={self.buffer_count!r} must be an integer >= 2 (one chunk stepping, one read ahead)"
+            )
+        if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, (int, float)) or not self.chunk_mb > 0:
+            raise V17ConfigError(f"offload chunk_mb={self.chunk_mb!r} must be a positive number of MiB")
 
 
 @dataclass(frozen=True)
@@ -383,7 +420,8 @@ class FP8Recipe(StrEnum):
     ``tensorwise``: one dynamic scale per tensor (amax of the whole tensor, computed every step). ``rowwise``: one
     dynamic scale per row/column along the contraction's outer dims, scales rounded to powers of 2 (more accurate,
     slower on H100 per the README). ``delayed``: scales from an amax history of earlier steps (Micikevicius 2022 §4.3;
-    Transformer Engine's ``DelayedScaling``); torchao 0.18 removed it (pytorch/ao#1680), ours is not written yet.
+    Transformer Engine's ``DelayedScaling``); torchao 0.18 removed it (pytorch/ao#1680), so it is ours
+    (``lightning_v17/engine/fp8_delayed.py``).
     """
 
     TENSORWISE = "tensorwise"
@@ -409,15 +447,23 @@ class FP8Policy:
     fp8_backend=..., fp8_skip=...)``.
 
     Args:
-        recipe: the scaling recipe (:class:`FP8Recipe`); ``delayed`` is refused until it is implemented here.
+        recipe: the scaling recipe (:class:`FP8Recipe`).
         backend: :class:`FP8Backend`.
         skip: ``fnmatch`` patterns of module FQNs kept in high precision besides the fixed rule (embeddings, the
             output head, norms and every Linear outside the repeated blocks), e.g. ``("*.w2", "layers.0.*")``.
+        all_gather: ZeRO-3 all-gathers the converted weights in float8 (a quarter of the fp32 bytes; torchao's
+            ``enable_fsdp_float8_all_gather``). None: on for ``tensorwise`` at zero_stage=3, else off. True with
+            ``rowwise`` is refused (torchao quantizes a rowwise weight along a different dim for each of its GEMMs,
+            so no single float8 copy can be gathered); True below zero_stage=3 is refused by the composition check.
+        amax_history_len: ``delayed`` only: steps of amax history each scale is computed from (None: 16,
+            ``engine/fp8_delayed.py``).
     """
 
     recipe: FP8Recipe = FP8Recipe.TENSORWISE
     backend: FP8Backend = FP8Backend.AUTO
     skip: tuple[str, ...] = ()
+    all_gather: bool | None = None
+    amax_history_len: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", parse_enum(FP8Recipe, self.recipe, option="fp8"))
@@ -425,28 +471,57 @@ class FP8Policy:
         if isinstance(self.skip, str):
             raise V17ConfigError(f"fp8_skip={self.skip!r} must be a list of FQN patterns, e.g. [{self.skip!r}]")
         object.__setattr__(self, "skip", tuple(str(s) for s in self.skip))
-        if self.recipe == FP8Recipe.DELAYED:
+        if self.amax_history_len is not None:
+            if self.recipe != FP8Recipe.DELAYED:
+                raise V17ConfigError(
+                    f"fp8_amax_history_len={self.amax_history_len} applies only to fp8='delayed' (got fp8="
+                    f"{self.recipe.value!r}, whose scales are dynamic); set fp8='delayed' or drop it"
+                )
+            if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) or (
+                self.amax_history_len < 1
+            ):
+                raise V17ConfigError(f"fp8_amax_history_len={self.amax_history_len!r} must be a positive integer")
+        if self.all_gather and self.recipe != FP8Recipe.TENSORWISE:
             raise V17ConfigError(
-                "fp8='delayed' (delayed scaling from an amax history) is not implemented yet: torchao 0.18 removed "
-                "it (pytorch/ao#1680) and lightning-v17's own is still to be written; use fp8='tensorwise' or "
-                "fp8='rowwise' (dynamic scaling)"
+                f"fp8_all_gather=True needs fp8='tensorwise' (got fp8={self.recipe.value!r}): torchao gathers one "
+                "float8 copy of each weight, and a rowwise weight is quantized along a different dim for each of its "
+                "GEMMs; use fp8='tensorwise', or fp8_all_gather=None/False"
             )
 
+    @property
+    def history_len(self) -> int:
+        """``delayed``: the amax history length (``amax_history_len``, default 16)."""
+        return 16 if self.amax_history_len is None else self.amax_history_len
+
+    def float8_all_gather(self, *, zero_stage: int) -> bool:
+        """Whether ZeRO-3 all-gathers the converted weights in float8 at ``zero_stage`` (see ``all_gather``)."""
+        if zero_stage != 3:
+            return False
+        return self.recipe == FP8Recipe.TENSORWISE if self.all_gather is None else bool(self.all_gather)
+
     @classmethod
-    def from_options(cls, fp8: Any, backend: Any = "auto", skip: Any = ()) -> FP8Policy | None:
-        """The policy for ``V17Strategy(fp8=, fp8_backend=, fp8_skip=)``; None when ``fp8`` is None/False.
+    def from_options(
+        cls, fp8: Any, backend: Any = "auto", skip: Any = (), all_gather: bool | None = None,
+        amax_history_len: int | None = None,
+    ) -> FP8Policy | None:  # fmt: skip
+        """The policy for ``V17Strategy(fp8=, fp8_backend=, fp8_skip=, fp8_all_gather=, fp8_amax_history_len=)``;
+        None when ``fp8`` is None/False.
 
         Raises:
-            V17ConfigError: an unknown recipe or backend, ``delayed``, or ``fp8_backend``/``fp8_skip`` without fp8.
+            V17ConfigError: an unknown recipe or backend, or ``fp8_backend``/``fp8_skip``/``fp8_all_gather``/
+                ``fp8_amax_history_len`` without fp8.
         """
         if fp8 is None or fp8 is False:
             backend = parse_enum(FP8Backend, backend, option="fp8_backend")
-            unused = [n for n, on in (("fp8_backend", backend != FP8Backend.AUTO), ("fp8_skip", bool(skip))) if on]
+            unused = [n for n, on in (("fp8_backend", backend != FP8Backend.AUTO), ("fp8_skip", bool(skip)),
+                                      ("fp8_all_gather", all_gather is not None),
+                                      ("fp8_amax_history_len", amax_history_len is not None)) if on]  # fmt: skip
             if unused:
-                raise V17ConfigError(f"{' and '.join(unused)} apply only with fp8='tensorwise' or 'rowwise'; set fp8 "
-                                     "or drop them")  # fmt: skip
+                raise V17ConfigError(f"{' and '.join(unused)} apply only with fp8='tensorwise', 'rowwise' or "
+                                     "'delayed'; set fp8 or drop them")  # fmt: skip
             return None
-        return cls(recipe=fp8, backend=backend, skip=skip if isinstance(skip, str) else tuple(skip or ()))
+        skip = skip if isinstance(skip, str) else tuple(skip or ())
+        return cls(recipe=fp8, backend=backend, skip=skip, all_gather=all_gather, amax_history_len=amax_history_len)
 
 
 @dataclass(frozen=True)

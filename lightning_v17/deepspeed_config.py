@@ -25,6 +25,8 @@ DEEPSPEED_SUPPORTED_KEYS: frozenset[str] = frozenset({
     "zero_optimization.reduce_bucket_size",
     "zero_optimization.offload_optimizer.device",
     "zero_optimization.offload_optimizer.nvme_path",
+    "zero_optimization.offload_optimizer.ratio",
+    "zero_optimization.offload_optimizer.buffer_count",
     "zero_optimization.offload_param.device",
     "zero_optimization.offload_param.nvme_path",
     "bf16.enabled",
@@ -42,14 +44,20 @@ DEEPSPEED_SUPPORTED_KEYS: frozenset[str] = frozenset({
 
 #: DeepSpeed keys that are read but have no effect here, with the reason; named in one warning when set.
 DEEPSPEED_NO_EFFECT_KEYS: dict[str, str] = {
-    "zero_optimization.overlap_comm": "overlap is not a switch here (FSDP2 overlaps on GPU streams; gloo is "
-    "synchronous)",
+    "zero_optimization.overlap_comm": "overlap is V17Strategy(overlap_comm=...), on by default (FSDP2's streams on "
+    "GPUs, async work on gloo's threads on CPU; bitwise the same results either way)",
     "zero_optimization.contiguous_gradients": "gradient buckets are contiguous by construction",
     "activation_checkpointing.partition_activations": "DeepSpeed's partitioning of checkpointed activations across "
     "model-parallel ranks is not implemented; recompute is V17Strategy(activation_checkpointing=...)",
     "steps_per_print": "DeepSpeed's own progress printing; Lightning's logger and progress bar report here",
     "wall_clock_breakdown": "DeepSpeed's own timers; use lightning_v17.callbacks.ThroughputMonitor",
     "zero_allow_untested_optimizer": "DeepSpeed's own optimizer allow-list; any torch optimizer runs here",
+    "zero_optimization.offload_optimizer.pin_memory": "V17 pins nothing for the optimizer tier: it steps CPU "
+    "parameters (accelerator parameters are refused with an optimizer offload in this version)",
+    "zero_optimization.offload_param.pin_memory": "V17 pins offloaded parameters exactly when CUDA is available "
+    "(FSDP2 CPUOffloadPolicy); pinning needs an accelerator",
+    "zero_optimization.offload_param.buffer_count": "offload_param.device='nvme' is not implemented yet",
+    "zero_optimization.offload_param.ratio": "parameters are offloaded whole (no partial parameter offload)",
 }
 
 
@@ -69,7 +77,8 @@ def from_deepspeed_config(config: dict[str, Any] | str | Any) -> TrainingPolicy:
 
     Mapped keys: ``zero_optimization.stage`` -> ``zero.stage``; ``zero_optimization.reduce_bucket_size`` (elements,
     fp32 assumed) -> ``zero.bucket_mb``; ``zero_optimization.offload_{optimizer,param}.{device,nvme_path}`` ->
-    ``offload``; ``bf16.enabled`` -> precision "bf16-mixed"; ``fp16.enabled`` -> "16-mixed" with
+    ``offload``; ``offload_optimizer.ratio`` / ``.buffer_count`` -> ``offload.optimizer_ratio`` / ``.buffer_count``
+    (``pin_memory`` is read without effect); ``bf16.enabled`` -> precision "bf16-mixed"; ``fp16.enabled`` -> "16-mixed" with
     ``fp16.{initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}`` -> :class:`LossScalePolicy`
     (init_scale = 2**initial_scale_power, growth_interval = loss_scale_window); ``gradient_clipping`` ->
     ``gradient_clipping``; ``gradient_accumulation_steps``; ``train_micro_batch_size_per_gpu`` -> ``micro_batch_size`` and
@@ -118,6 +127,8 @@ def from_deepspeed_config(config: dict[str, Any] | str | Any) -> TrainingPolicy:
         params=flat.get("zero_optimization.offload_param.device", "none"),
         nvme_path=flat.get("zero_optimization.offload_optimizer.nvme_path")
         or flat.get("zero_optimization.offload_param.nvme_path"),
+        optimizer_ratio=flat.get("zero_optimization.offload_optimizer.ratio", 1.0),
+        buffer_count=flat.get("zero_optimization.offload_optimizer.buffer_count", OffloadPolicy.buffer_count),
     )
 
     bf16 = bool(flat.get("bf16.enabled", False))

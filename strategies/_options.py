@@ -26,12 +26,15 @@ from lightning_v17.deepspeed_config import from_deepspeed_config
 DEFAULTS: dict[str, Any] = {
     "zero_stage": 3, "activation_checkpointing": "none", "reshard_after_forward": None, "bucket_mb": 25.0,
     "offload_optimizer": "none", "offload_params": "none", "wrap_classes": (), "optimizer_partition": "auto",
+    "offload_optimizer_ratio": 1.0,
     "nvme_path": None, "pp_schedule": "1f1b", "microbatches": 4, "virtual_stages": 1, "pp_split_points": None,
+    "overlap_comm": True, "prefetch_units": 1,
 }  # fmt: skip
 #: The flat arguments each policy object covers.
 POLICY_OPTIONS: dict[str, tuple[str, ...]] = {
-    "zero": ("zero_stage", "reshard_after_forward", "bucket_mb", "wrap_classes", "optimizer_partition"),
-    "offload": ("offload_optimizer", "offload_params", "nvme_path"),
+    "zero": ("zero_stage", "reshard_after_forward", "bucket_mb", "wrap_classes", "optimizer_partition",
+             "overlap_comm", "prefetch_units"),
+    "offload": ("offload_optimizer", "offload_params", "nvme_path", "offload_optimizer_ratio"),
     "pipeline": ("pp_schedule", "microbatches", "virtual_stages", "pp_split_points"),
 }
 
@@ -66,24 +69,33 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
         wrap_classes=tuple(given["wrap_classes"]) or base.zero.wrap_classes,
         bucket_mb=pick("bucket_mb", base.zero.bucket_mb),
         optimizer_partition=given["optimizer_partition"],
+        overlap_comm=bool(given["overlap_comm"]),
+        prefetch_units=given["prefetch_units"],
     )
     offload = given["offload"] or OffloadPolicy(
         optimizer=pick("offload_optimizer", base.offload.optimizer),
         params=pick("offload_params", base.offload.params),
         nvme_path=given["nvme_path"] or base.offload.nvme_path,
+        optimizer_ratio=pick("offload_optimizer_ratio", base.offload.optimizer_ratio),
+        buffer_count=base.offload.buffer_count,
+        chunk_mb=base.offload.chunk_mb,
     )
     split = given["pp_split_points"]
     pipeline = given["pipeline"] or PipelinePolicy(
         schedule=given["pp_schedule"], microbatches=given["microbatches"], virtual_stages=given["virtual_stages"],
         split_points=tuple(split) if split else None,
     )  # fmt: skip
-    if offload.optimizer != Tier.NONE:
-        raise V17ConfigError(
-            f"offload_optimizer={offload.optimizer.value!r} is not implemented by V17Strategy yet; "
-            "set offload_optimizer='none'"
-        )
     if offload.params == Tier.NVME:
+        if not zero.shards_params:
+            raise V17ConfigError(
+                f"offload_params='nvme' keeps parameter shards on NVMe and needs zero_stage=3 (got {zero.stage}); set "
+                "zero_stage=3, or offload only the optimizer with offload_optimizer='nvme'"
+            )
         raise V17ConfigError("offload_params='nvme' is not implemented yet; use 'cpu' (stage 3) or 'none'")
+    if offload.optimizer == Tier.NVME:
+        from lightning_v17.engine.nvme import check_nvme_path
+
+        check_nvme_path(offload.nvme_path)  # exists and is writable: now, before any process starts
     _warn_inapplicable(given, zero, offload)
     tp_plan = given["tp_plan"]
     return replace(
@@ -101,20 +113,23 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
 
 
 def build_fp8_policy(given: dict[str, Any]) -> FP8Policy | None:
-    """``fp8``/``fp8_backend``/``fp8_skip`` -> one FP8Policy (None: fp8 off). A DeepSpeed config has no FP8 section.
+    """``fp8``/``fp8_backend``/``fp8_skip``/``fp8_all_gather``/``fp8_amax_history_len`` -> one FP8Policy (None: fp8
+    off). A DeepSpeed config has no FP8 section.
 
     ``fp8_backend='te'`` is checked against this machine now (no CUDA: it can never run here) and against the real
     device again when the model is parallelized (``engine.fp8.apply_fp8``).
 
     Raises:
-        V17ConfigError: an unknown recipe/backend, ``fp8='delayed'`` (not implemented yet), ``fp8_backend``/
-            ``fp8_skip`` without fp8, ``fp8_backend='te'`` without a CUDA GPU.
+        V17ConfigError: an unknown recipe/backend, ``fp8_backend``/``fp8_skip``/``fp8_all_gather``/
+            ``fp8_amax_history_len`` without fp8, ``fp8_backend='te'`` without a CUDA GPU.
     """
     import torch
 
     from lightning_v17.engine.fp8 import resolve_fp8_backend
 
-    policy = FP8Policy.from_options(given["fp8"], given["fp8_backend"], given["fp8_skip"])
+    policy = FP8Policy.from_options(
+        given["fp8"], given["fp8_backend"], given["fp8_skip"], given["fp8_all_gather"], given["fp8_amax_history_len"]
+    )
     if policy is not None and not torch.cuda.is_available():
         resolve_fp8_backend(policy, "cpu")  # raises for 'te' here; 'auto' resolves to torchao on CPU
     return policy
@@ -128,8 +143,9 @@ def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy, offload: Offload
     if zero.shards_params:
         notes += [f"{n}={given[n]!r} applies to zero_stage 0-2 (FSDP2 reduces per unit at stage 3)"
                   for n in ("bucket_mb", "optimizer_partition") if not _is_default(n, given[n])]  # fmt: skip
-    elif not _is_default("reshard_after_forward", given["reshard_after_forward"]):
-        notes.append("reshard_after_forward applies to zero_stage=3 only (stages 0-2 keep whole parameters)")
+    else:
+        notes += [f"{n} applies to zero_stage=3 only (stages 0-2 keep whole parameters)"
+                  for n in ("reshard_after_forward", "prefetch_units") if not _is_default(n, given[n])]  # fmt: skip
     if given["pp"] == 1:
         notes += [f"{n}={given[n]!r} applies only with pp > 1"
                   for n in ("pp_schedule", "microbatches", "virtual_stages") if not _is_default(n, given[n])]  # fmt: skip

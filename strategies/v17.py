@@ -94,27 +94,51 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             (Qi 2023's ZB-H1: one stage per rank with the backward split into input and weight gradients).
         microbatches: pipeline micro-batches per optimizer step; the per-rank batch size must be a multiple of it.
         virtual_stages: model chunks per pipeline rank (interleaved / zero-bubble schedules).
-        offload_optimizer: where optimizer state lives: "none", "cpu" or "nvme".
+        offload_optimizer: where optimizer state lives: "none", "cpu" or "nvme" (ZeRO-Offload / ZeRO-Infinity, stages
+            1-3). The optimizer steps chunk by chunk through the tier; with "nvme" its state is read ahead and written
+            back asynchronously under ``nvme_path`` (``lightning_v17/engine/offload.py``). Parameters on an
+            accelerator are refused with "cpu"/"nvme" in this version (the host-side step is not implemented yet).
         offload_params: where sharded parameters live between uses (stage 3): "none", "cpu" or "nvme".
-        nvme_path: directory for the "nvme" tier.
+        nvme_path: directory for the "nvme" tier: must exist, be writable, and have room for the offloaded state
+            plus a margin (checked before step 0); each rank writes in its own run folder, removed at teardown.
+        offload_optimizer_ratio: fraction (0, 1] of the optimizer state on the ``offload_optimizer`` tier; the rest
+            stays one tier up (nvme -> host memory, cpu -> device memory). DeepSpeed's ``offload_optimizer.ratio``.
         wrap_classes: class names that become ZeRO-3 units and recompute units (empty: the children of every
             ``nn.ModuleList`` and of repeated-block ``nn.ModuleDict``s).
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (None: True, except the
             last unit and the root group, which backward needs first).
         bucket_mb: gradient bucket size in MiB for stages 0-2 (DeepSpeed's ``reduce_bucket_size``).
-        fp8: float8 matmuls in the repeated blocks' ``nn.Linear`` layers (torchao ``Float8Linear``; Micikevicius 2022
-            "FP8 Formats for Deep Learning"): "tensorwise" (one dynamic scale per tensor), "rowwise" (per-row dynamic
-            scales, powers of 2) or None (off). A Linear is converted when it sits inside a block and both its dims
-            divide 16; the others are listed in one warning. Embeddings, the output head and norms stay in high
-            precision, and so do the master weights and the optimizer. "delayed" is refused until implemented
-            (torchao 0.18 removed it, pytorch/ao#1680). Not with tp > 1 yet. At zero_stage=3 the weights are
-            all-gathered in their own dtype (float8 all-gather is planned). The DeepSpeed config has no FP8 section.
+        overlap_comm: overlap communication with compute where the backend does not already do it (gloo on CPU,
+            whose async work runs on its own threads): stages 0-2 start each bucket's reduction as soon as its
+            gradients are ready; stage 3 all-gathers the next ``prefetch_units`` units while the current one
+            computes and leaves the gradient reduce-scatters in flight until backward ends. Results are bitwise
+            the same; False runs every collective synchronously (the A/B baseline). On CUDA, FSDP2's own stream
+            overlap is used either way.
+        prefetch_units: stage 3: how many units ahead to all-gather, in forward and backward (DeepSpeed's
+            ``stage3_prefetch_bucket_size``, counted in units; each one more keeps one more unit gathered). 0: none.
+        fp8: float8 matmuls in the repeated blocks' ``nn.Linear`` layers (Micikevicius 2022 "FP8 Formats for Deep
+            Learning"): "tensorwise" (one dynamic scale per tensor; torchao ``Float8Linear``), "rowwise" (per-row
+            dynamic scales, powers of 2; torchao), "delayed" (scales from an amax history of earlier steps, synced
+            over the dp and tp axes; lightning-v17's own, since torchao 0.18 removed it, pytorch/ao#1680) or None
+            (off). A Linear is converted when it sits inside a block and both its dims divide 16 (16 x tp under
+            tensor parallelism); the others are listed in one warning. Embeddings, the output head and norms stay
+            in high precision, and so do the master weights and the optimizer. With tp > 1 only "tensorwise"
+            (torchao's float8 tensor-parallel styles). At zero_stage=3 see ``fp8_all_gather``. The DeepSpeed config
+            has no FP8 section.
         fp8_backend: "torchao" (any device, CPU included), "te" (NVIDIA Transformer Engine: a GPU of compute
             capability >= 8.9 with transformer-engine installed; its path is not implemented yet, so it raises a
             clear error) or "auto" (torchao in this version; Transformer Engine where it can run once that path
             exists).
         fp8_skip: ``fnmatch`` patterns of module FQNs kept in high precision too (a pattern matching a block keeps
             all its Linears), e.g. ``["*.w2", "model.layers.0"]``; a pattern matching no module is an error.
+        fp8_all_gather: zero_stage=3 all-gathers the converted weights in float8 (torchao's
+            ``enable_fsdp_float8_all_gather``: a quarter of the fp32 bytes; on gloo the bytes travel as uint8), with
+            their scales computed after each optimizer step in one all-reduce. None (default): on for
+            ``fp8="tensorwise"`` at zero_stage=3, off otherwise; True with ``fp8="rowwise"`` or below zero_stage=3
+            is refused; False gathers them in their own dtype.
+        fp8_amax_history_len: ``fp8="delayed"`` only: how many steps of amax (max |x|) history each float8 scale
+            is computed from (scale = float8 max / max of the history). None: 16. The histories are all-reduced
+            with MAX over the dp and tp axes after each optimizer step and are saved in checkpoints.
         optimizer_partition: stages 1-2: "rows" splits every parameter's optimizer state along dim 0 (exact for
             elementwise optimizers such as SGD/Adam/AdamW), "params" gives each rank whole parameters (exact for any
             per-parameter optimizer such as Adafactor), "auto" picks "rows" when every optimizer is an elementwise
@@ -166,13 +190,18 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         offload_optimizer: str = "none",
         offload_params: str = "none",
         nvme_path: str | None = None,
+        offload_optimizer_ratio: float = 1.0,
         wrap_classes: Sequence[str] = (),
         reshard_after_forward: bool | None = None,
         bucket_mb: float = 25.0,
+        overlap_comm: bool = True,
+        prefetch_units: int = 1,
         optimizer_partition: str = "auto",
         fp8: str | None = None,
         fp8_backend: str = "auto",
         fp8_skip: Sequence[str] = (),
+        fp8_all_gather: bool | None = None,
+        fp8_amax_history_len: int | None = None,
         zero: ZeroPolicy | None = None,
         pipeline: PipelinePolicy | None = None,
         offload: OffloadPolicy | None = None,
@@ -351,7 +380,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self.zero.prepare_optimizers(self.optimizers)
+            self.zero.prepare_optimizers(self.optimizers, offload=self.policy.offload)
             if self._pipelined():
                 # The schedule runs forward *and* backward inside training_step. Lightning's closure would then zero
                 # the gradients and back-propagate again; its skip-backward flag drops both (the mechanism
@@ -484,6 +513,8 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         with self._watch("optimizer_step"):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
             self.zero.after_optimizer_step()  # stages 1/2: every rank stepped its part; make the parameters whole
+            if self._parallel is not None and self._parallel.fp8 is not None:
+                self._parallel.fp8.after_optimizer_step()  # float8 scales: all-gathered weights', delayed histories
         return out
 
     @contextmanager
@@ -524,7 +555,10 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint into the sharded model/optimizers in place (any saved stage or world size)."""
-        return _checkpoint.load(self, checkpoint_path, weights_only=weights_only)
+        out = _checkpoint.load(self, checkpoint_path, weights_only=weights_only)
+        if self._parallel is not None and self._parallel.fp8 is not None:
+            self._parallel.fp8.refresh_weight_scales()  # the loaded weights' float8 scales (none may be stale)
+        return out
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
