@@ -81,7 +81,6 @@ class GoodputMonitor(Callback):
         self._path: Path | None = None
         self._t0 = 0.0
         self._blocking_prev = 0.0
-        self._saves = 0
         self._restarts_seen = 0
 
     # -- helpers ------------------------------------------------------------------------------------------------
@@ -105,7 +104,6 @@ class GoodputMonitor(Callback):
         total = self._blocking(trainer)
         if total > self._blocking_prev:
             self.tracker.add_checkpoint_blocking(total - self._blocking_prev)
-            self._saves += 1
         self._blocking_prev = total
 
     # -- hooks --------------------------------------------------------------------------------------------------
@@ -155,13 +153,16 @@ class GoodputMonitor(Callback):
 
     def predicted_goodput(self) -> float | None:
         """Young/Daly expected goodput for ``mtbf_hours`` and this run's measured interval, save and restart costs."""
-        if self.mtbf_hours is None or self._saves == 0 or self.last is None:
+        # useful_s and checkpoint_s cover every attempt of the run, so the save count must too (it used to be this
+        # attempt's only, which stretched the interval by the number of attempts after a restart)
+        saves = self.tracker.saves if self.tracker is not None else 0
+        if self.mtbf_hours is None or saves == 0 or self.last is None:
             return None
         b = self.last
         restarts = max(1, self._restarts_seen)
         return expected_goodput(
-            interval_s=max(b.useful_s / self._saves, 1e-9),
-            checkpoint_s=b.checkpoint_s / self._saves,
+            interval_s=max(b.useful_s / saves, 1e-9),
+            checkpoint_s=b.checkpoint_s / saves,
             mtbf_s=self.mtbf_hours * 3600.0,
             restart_s=b.restart_s / restarts if self._restarts_seen else 0.0,
         )

@@ -120,3 +120,23 @@ def test_progress_round_trip_without_checkpoint_redoes_everything():
     out = b.breakdown(13.0)
     assert (out.useful_s, out.redo_s, out.restart_s, out.bad_step_s, out.attempts) == (0.0, 3.0, 9.0, 1.0, 2)
     assert out.wall_s == 13.0 and out.other_s == pytest.approx(0.0)
+
+
+def test_save_count_spans_attempts_so_the_interval_does_too():
+    """useful_s and checkpoint_s are the run's, over every attempt; Young/Daly's interval is useful time per save,
+    so the save count must be the run's too (a per-attempt count stretched the interval by the attempts)."""
+    a = GoodputTracker()
+    a.start_attempt(0.0)
+    for i in range(6):  # a save blocks 0.5 s after every second step
+        a.step_started(float(i))
+        a.step_finished(1.0, now_s=i + 1.0, step=i + 1)
+        if i % 2 == 1:
+            a.add_checkpoint_blocking(0.5)
+    b = GoodputTracker()
+    b.start_attempt(20.0, previous=a.progress(), checkpoint={"useful_s": 6.0, "step": 6})
+    b.step_started(25.0)
+    b.step_finished(1.0, now_s=26.0, step=7)
+    b.step_started(26.0)
+    b.step_finished(1.0, now_s=27.0, step=8)
+    b.add_checkpoint_blocking(0.5)
+    assert (b.saves, b.checkpoint_s, b.useful_s) == (4, 2.0, 8.0)  # 8 useful seconds over 4 saves: 2 s apart

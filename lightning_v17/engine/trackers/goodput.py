@@ -70,6 +70,7 @@ class GoodputTracker:
         self.run_start_s: float | None = None
         self.useful_s = self.restart_s = self.redo_s = self.checkpoint_s = self.bad_step_s = 0.0
         self.attempts = 0
+        self.saves = 0  # checkpoint saves that blocked the loop, over all attempts (Young/Daly's interval)
         self.step = 0
         self.last_progress_s: float | None = None
         self._pending: tuple[float | None, float] | None = None  # (previous last progress, work lost) until step 1
@@ -92,6 +93,7 @@ class GoodputTracker:
         for key in ("useful_s", "restart_s", "redo_s", "checkpoint_s", "bad_step_s"):
             setattr(self, key, float(previous.get(key, 0.0)))
         self.attempts = int(previous.get("attempts", 1)) + 1
+        self.saves = int(previous.get("saves", 0))
         self.step = int(checkpoint.get("step", 0)) if checkpoint else 0
         kept = float(checkpoint["useful_s"]) if checkpoint else 0.0
         lost = max(0.0, self.useful_s - kept)  # completed after the checkpoint: it will run again
@@ -119,7 +121,9 @@ class GoodputTracker:
         self.last_progress_s = now_s
 
     def add_checkpoint_blocking(self, seconds: float) -> None:
+        """One save that blocked the loop for ``seconds``."""
         self.checkpoint_s += max(0.0, seconds)
+        self.saves += 1
 
     def breakdown(self, now_s: float) -> GoodputBreakdown:
         wall = max(0.0, now_s - self.run_start_s) if self.run_start_s is not None else 0.0
@@ -148,6 +152,7 @@ class GoodputTracker:
             "checkpoint_s": self.checkpoint_s,
             "bad_step_s": self.bad_step_s,
             "attempts": self.attempts,
+            "saves": self.saves,
             "step": self.step,
         }
 
