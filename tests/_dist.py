@@ -31,7 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, init_pg: bool, queue) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, init_pg: bool, queue, env: dict[str, str]
+) -> None:
+    # The forkserver was started with the environment of the first spawn; each rank gets the parent's of now.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -42,8 +47,14 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ini
         GROUP_RANK="0",
         NODE_RANK="0",
     )
+    import sys
+
     import torch
 
+    if "lightning" in sys.modules:  # preloaded by the forkserver, which read its rank from an environment without one
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = rank  # the same function object as lightning_utilities' (fabric sets it on import)
     # 2 cores shared by `world_size` ranks: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     try:
@@ -71,6 +82,34 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ini
             pass
 
 
+#: Imported once by the forkserver; every rank is forked from it instead of importing torch and lightning afresh
+#: (about 7 s of CPU per rank on this machine, the largest share of a short 2-rank test). A module that is absent
+#: (an optional test extra) is skipped by the forkserver.
+_PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "lightning",
+    "lightning.pytorch", "lightning_v17", "lightning_v17.strategies", "lightning_v17.callbacks", "tests._dist",
+    "tests._models", "transformers", "transformers.models.llama.modeling_llama", "litgpt",
+]  # fmt: skip
+_CTX: Any = None
+
+
+def _context(fresh: bool = False) -> Any:
+    """The multiprocessing context for ranks: a forkserver with torch and lightning preloaded.
+
+    ``fresh`` (or ``V17_TEST_START_METHOD=spawn``) gives fresh interpreters: each rank imports what it needs itself,
+    for tests that check what a worker imports.
+    """
+    global _CTX
+    if fresh:
+        return mp.get_context("spawn")
+    if _CTX is None:
+        method = os.environ.get("V17_TEST_START_METHOD", "forkserver")
+        _CTX = mp.get_context(method)
+        if method == "forkserver":
+            _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
 def spawn(
     fn: Callable[..., Any],
     *,
@@ -78,6 +117,7 @@ def spawn(
     args: tuple = (),
     timeout: float = 240.0,
     init_process_group: bool = True,
+    fresh_interpreter: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes and return their results by rank.
 
@@ -88,30 +128,28 @@ def spawn(
         timeout: seconds before the whole group is killed and the test fails.
         init_process_group: initialize a gloo process group before calling ``fn`` (set False when the worker
             lets Lightning do it).
+        fresh_interpreter: start each rank as a fresh interpreter instead of forking it from the forkserver that
+            has torch and lightning imported (for a test that checks which modules the worker imports).
 
     A port taken by another process between choosing it and binding it (EADDRINUSE) is retried once with a new one.
     """
     try:
-        return _spawn_once(fn, world_size=world_size, args=args, timeout=timeout, init_process_group=init_process_group)
+        return _spawn_once(fn, world_size, args, timeout, init_process_group, fresh_interpreter)
     except AssertionError as err:
         if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
             raise
-        return _spawn_once(fn, world_size=world_size, args=args, timeout=timeout, init_process_group=init_process_group)
+        return _spawn_once(fn, world_size, args, timeout, init_process_group, fresh_interpreter)
 
 
 def _spawn_once(
-    fn: Callable[..., Any],
-    *,
-    world_size: int = 2,
-    args: tuple = (),
-    timeout: float = 240.0,
-    init_process_group: bool = True,
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, init_process_group: bool, fresh: bool
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context(fresh)
     queue = ctx.SimpleQueue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, init_process_group, queue), daemon=True)
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, init_process_group, queue, env), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

@@ -69,6 +69,10 @@ def _run(rank: int, world: int, root: str, phase: str, strategy: str = "ddp") ->
             # Runs before AsyncCheckpoint.on_train_end (Lightning orders checkpoint callbacks last): the save started
             # at step 12 is still in its (slowed) background write and has not been published.
             partial = root_p / "ckpt" / f".step-{STEPS:08d}.v17-partial"
+            for _ in range(100):  # rank 0's background writer creates the partial directory right after start()
+                if trainer.global_rank != 1 or partial.exists():
+                    break
+                time.sleep(0.01)
             if trainer.global_rank == 1 and partial.exists() and not (root_p / "ckpt" / f"step-{STEPS:08d}").exists():
                 (root_p / "killed").write_text("1")
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -94,15 +98,16 @@ def _run(rank: int, world: int, root: str, phase: str, strategy: str = "ddp") ->
 def _launch(fn, world: int, args: tuple, timeout: float) -> tuple[dict[int, object], dict[int, str]]:
     """Like tests._dist.spawn, but when a rank dies the others are killed at once (what torchrun does); returns
     ``(results, errors)`` by rank instead of raising."""
-    import torch.multiprocessing as mp
 
-    from tests._dist import _entry, decode_result, free_port
+    from tests._dist import _context, _entry, decode_result, free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()  # the forkserver with torch and lightning preloaded, as tests._dist.spawn uses
     queue = ctx.SimpleQueue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, False, queue), daemon=True) for r in range(world)
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, False, queue, env), daemon=True)
+        for r in range(world)
     ]
     for p in procs:
         p.start()

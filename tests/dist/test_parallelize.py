@@ -88,7 +88,7 @@ def _hf_zero3_worker(rank: int, world: int) -> dict:
 @pytest.mark.timeout(240)
 def test_parallelize_hf_llama_zero3_recompute_matches_single_process():
     ref_losses, ref_params = _reference()
-    res = spawn(_hf_zero3_worker, world_size=2)
+    res = spawn(_hf_zero3_worker, world_size=2, fresh_interpreter=True)
     for r in res:
         assert not r["lightning_imported"], "the composition function must work without Lightning"
         assert r["units"] == 2 and r["recompute"] == ["full", "full"], r
