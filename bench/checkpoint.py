@@ -7,10 +7,11 @@ of a save is the slowest rank's (the loop runs at the slowest rank's pace).
 
 Prints one JSON object: sync_save_s (save_sharded: write + fsync + hashing + publish), async_blocking_s
 (AsyncShardedSaver.start: the device->host staging copy and launching the write), async_write_s (the background
-write it hides), and the two anchors measured on the same state in the same processes: raw
-``torch.distributed.checkpoint.async_save`` blocking (its default stager) and a plain copy of the same local bytes
-into preallocated host buffers (the physical limit of staging). Targets: ours <= raw DCP and <= 2x the plain copy
-(the ratio to a sync save is reported too, but it mostly measures the disk).
+write it hides), and the anchors measured on the same state in the same processes, interleaved round by round:
+raw ``torch.distributed.checkpoint.async_save`` blocking with DCP's default stager, with one ``DefaultStager`` kept
+across saves, and with a kept shared-memory ``DefaultStager`` (what a user could pick on CPU), and a plain copy of
+the same local bytes into preallocated host buffers (the physical limit of staging). Targets: ours <= every raw DCP
+variant and <= 2x the plain copy (the ratio to a sync save is reported too, but it mostly measures the disk).
 
     .venv/bin/python bench/checkpoint.py [--world-size 2] [--layers 20] [--hidden 1024] [--repeats 3]
 """
@@ -93,47 +94,56 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, root: st
         dist.all_reduce(t)
         state_bytes = int(t.item())
 
-    sync_s, block_s, write_s = [], [], []
-    for i in range(args.repeats + 1):  # i == 0 is the warm-up
+    def app_state_timed():
+        t0 = time.perf_counter()
         st = app_state()
+        return st, time.perf_counter() - t0
+
+    sync_s = []
+    for i in range(args.repeats + 1):  # i == 0 is the warm-up
+        st, _ = app_state_timed()
         barrier()
         t0 = time.perf_counter()
         save_sharded(f"{root}/sync-{i}", app_state=st, trainer_state={"global_step": i}, meta={"bench": True})
         s = slowest(time.perf_counter() - t0)
         if i:
             sync_s.append(s)
-    saver = AsyncShardedSaver()
-    for i in range(args.repeats + 1):
-        st = app_state()
-        barrier()
-        blocked = saver.start(f"{root}/async-{i}", app_state=st, trainer_state={"global_step": i}, meta={})
-        b = slowest(blocked)
-        res = saver.wait()  # not part of the loop's blocking time: in training this overlaps with steps
-        w = slowest(res.write_s)
-        if i:
-            block_s.append(b)
-            write_s.append(w)
-    saver.close()
 
-    # Anchor: raw torch.distributed.checkpoint.async_save of the same state, with its own default stager (pinned
-    # host memory where CUDA allows), blocking = until async_save returns.
+    # The asynchronous variants, interleaved round by round (the host is shared: load drifts over a run, and
+    # interleaving spreads it evenly), each on the same state in the same processes, each blocking = from the call
+    # until it returns (everything the training loop waits for), slowest rank; each background write is awaited
+    # before the next variant starts, so no variant's staging competes with another's write.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    cuda = torch.cuda.is_available()
-    raw_stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                              use_async_staging=False, use_non_blocking_copy=cuda))  # fmt: skip
-    raw_s = []
-    for i in range(args.repeats + 1):
-        st = app_state()
+    saver = AsyncShardedSaver()
+    # Raw DCP, as a user would call it: (a) async_stager=None, DCP's own default (a fresh DefaultStager per call,
+    # StagingOptions all False); (b) one DefaultStager kept across saves, which caches its staging storages; (c) the
+    # same with shared memory, the other StagingOptions that runs without an accelerator (pinned memory, async
+    # staging and non-blocking copies need CUDA; BlockingAsyncStager(cache_staged_state_dict=True) pins too and
+    # fails here with "Cannot access accelerator device").
+    raw_kept = DefaultStager(StagingOptions(False, False, False, False))
+    raw_shm = DefaultStager(StagingOptions(False, True, False, False))
+    variants = {"raw_dcp_default": None, "raw_dcp_kept_stager": raw_kept, "raw_dcp_kept_shm_stager": raw_shm}
+
+    def run_ours(i: int) -> float:
+        st, _ = app_state_timed()
         barrier()
         t0 = time.perf_counter()
-        fut = dcp.async_save(st, checkpoint_id=f"{root}/raw-{i}", async_stager=raw_stager, no_dist=not use_dist)
-        b = slowest(time.perf_counter() - t0)
+        saver.start(f"{root}/async-{i}", app_state=st, trainer_state={"global_step": i}, meta={})
+        b = time.perf_counter() - t0
+        res = saver.wait()  # not part of the loop's blocking time: in training this overlaps with steps
+        write_s.append(slowest(res.write_s))
+        return slowest(b)
+
+    def run_raw(name: str, i: int) -> float:
+        st, _ = app_state_timed()
+        barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(st, checkpoint_id=f"{root}/{name}-{i}", async_stager=variants[name], no_dist=not use_dist)
+        b = time.perf_counter() - t0
         getattr(fut, "upload_completion", fut).result()
-        if i:
-            raw_s.append(b)
-    raw_stager.close()
+        return slowest(b)
 
     # The physical limit of staging: one copy of the same local bytes into preallocated host buffers.
     def local_tensors(sd):
@@ -145,19 +155,33 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, root: st
 
     src = list(local_tensors(app_state()))
     dst = [torch.empty_like(t, device="cpu") for t in src]
-    copy_s = []
-    for i in range(args.repeats + 1):
+
+    def run_copy(i: int) -> float:
         barrier()
         t0 = time.perf_counter()
         for d, t in zip(dst, src):
             d.copy_(t)
-        c = slowest(time.perf_counter() - t0)
+        return slowest(time.perf_counter() - t0)
+
+    write_s: list[float] = []
+    times: dict[str, list[float]] = {k: [] for k in ("ours", *variants, "plain_copy", "state_dict")}
+    for i in range(args.repeats + 1):  # round 0 is the warm-up (allocations, group creation)
+        got = {"ours": run_ours(i), **{n: run_raw(n, i) for n in variants}, "plain_copy": run_copy(i)}
+        got["state_dict"] = slowest(app_state_timed()[1])
         if i:
-            copy_s.append(c)
+            for k, v in got.items():
+                times[k].append(v)
+        else:
+            write_s.clear()
+    saver.close()
+    raw_kept.close()
+    raw_shm.close()
     if use_dist:
         dist.destroy_process_group()
     if rank == 0:
-        sync_med, block_med = statistics.median(sync_s), statistics.median(block_s)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        sync_med, ours = statistics.median(sync_s), med["ours"]
+        raw_best = min(med[n] for n in variants)
         queue.put(
             {
                 "bench": "checkpoint",
@@ -168,18 +192,19 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, root: st
                 "state_bytes_total": state_bytes,
                 "repeats": args.repeats,
                 "sync_save_s": round(sync_med, 4),
-                "async_blocking_s": round(block_med, 4),
+                "async_blocking_s": round(ours, 4),
                 "async_write_s": round(statistics.median(write_s), 4),
-                "sync_save_s_all": [round(x, 4) for x in sync_s],
-                "async_blocking_s_all": [round(x, 4) for x in block_s],
-                "async_blocking_over_sync": round(block_med / sync_med, 4),
-                "raw_dcp_async_save_blocking_s": round(statistics.median(raw_s), 4),
-                "plain_copy_s": round(statistics.median(copy_s), 4),
-                "ours_over_raw_dcp": round(block_med / statistics.median(raw_s), 3),
-                "ours_over_plain_copy": round(block_med / statistics.median(copy_s), 3),
-                "targets": "ours_over_raw_dcp <= 1.0 and ours_over_plain_copy <= 2.0 (the ratio to a sync save "
-                "depends on the disk's speed)",
-                "meets_targets": block_med <= statistics.median(raw_s) and block_med <= 2 * statistics.median(copy_s),
+                "raw_dcp_async_save_blocking_s": {n: round(med[n], 4) for n in variants},
+                "plain_copy_s": round(med["plain_copy"], 4),
+                "state_dict_s": round(med["state_dict"], 4),
+                "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+                "async_blocking_over_sync": round(ours / sync_med, 4),
+                "ours_over_raw_dcp": {n: round(ours / med[n], 3) for n in variants},
+                "ours_over_best_raw_dcp": round(ours / raw_best, 3),
+                "ours_over_plain_copy": round(ours / med["plain_copy"], 3),
+                "targets": "ours <= every raw DCP variant and ours <= 2x plain copy (blocking times exclude building "
+                "the state dicts, state_dict_s, the same for all; the ratio to a sync save depends on the disk)",
+                "meets_targets": ours <= raw_best and ours <= 2 * med["plain_copy"],
             }
         )
 

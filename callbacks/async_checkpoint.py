@@ -1,7 +1,8 @@
 """AsyncCheckpoint: sharded checkpoints written in the background, published atomically, resumable with "last".
 
-A thin adapter over ``lightning_v17.engine.checkpoint_async.AsyncShardedSaver``; the protocol (staging, dedicated
-gloo groups for DCP, the all-reduce of "done" flags at batch end, meta.json last + rename) is documented there.
+A thin adapter over ``lightning_v17.engine.checkpoint_async.AsyncShardedSaver``; the protocol (one staging pass into
+reused host buffers, the DCP writes on a dedicated gloo group in one background thread, the all-reduce of "done"
+flags at batch end, meta.json last + rename) is documented there.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Tolerance: exact (rtol=atol=0): a checkpoint round trip copies bytes, it does no
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -191,9 +192,20 @@ def _worker(rank: int, world: int, root: str) -> dict:
             break
         torch.distributed.barrier()
     assert res is not None and (root / "async" / "meta.json").exists()
+
+    # --- 6. after the first save start() issues no collective: a peer arriving 1.5 s late does not hold rank 0 up -
+    snap2 = _full(m, opt)["model"]
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.5)
+    t0 = time.perf_counter()
+    saver.start(root / "async2", app_state=_app(m, opt), trainer_state={"global_step": 4}, meta={"zero_stage": 3})
+    out["late_peer_blocked_s"] = time.perf_counter() - t0  # a few KB to stage: milliseconds unless it synchronizes
+    saver.wait()
     saver.close()
     if rank == 0:
         out["async_snap"] = {k: v.numpy() for k, v in snap.items()}
+        out["async2_snap"] = {k: v.numpy() for k, v in snap2.items()}
     return out
 
 
@@ -243,3 +255,9 @@ def test_sharded_checkpoint_two_ranks(tmp_path):
     full = load_full_state_dict(tmp_path / "async")
     for k, v in res[0]["async_snap"].items():
         torch.testing.assert_close(full[k], torch.from_numpy(v), rtol=0, atol=0)
+    # a save started after the first one does not wait for a late peer, and holds the weights as of its start()
+    assert res[0]["late_peer_blocked_s"] < 0.75, res[0]["late_peer_blocked_s"]
+    full2 = load_full_state_dict(tmp_path / "async2")
+    assert set(full2) == set(res[0]["async2_snap"])
+    for k, v in res[0]["async2_snap"].items():
+        torch.testing.assert_close(full2[k], torch.from_numpy(v), rtol=0, atol=0)
