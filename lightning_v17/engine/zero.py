@@ -4,7 +4,8 @@
   data-parallel ranks in buckets as backward produces them.
 * Stage 1: as stage 0, but the optimizer is rebuilt over the local dim-0 shard of every parameter (``torch.chunk``
   semantics over the ``dp_shard`` axis, i.e. DTensor ``Shard(0)``, FSDP2's layout). Full gradients are all-reduced,
-  each rank steps its shard, then the shards are all-gathered back into the full parameters.
+  each rank steps its shard, then the shards are all-gathered back into the full parameters. The gradients are views
+  of the reduced bucket (DDP's ``gradient_as_bucket_view``); the packing copies are in :mod:`.zero_comm`.
 * Stage 2: gradients are reduce-scattered into per-rank shard gradients as backward produces them (post-accumulate-
   grad hooks, bucketed); the full gradient of a bucket is freed as soon as its reduce-scatter is issued.
   What stays resident between steps on each rank: the full parameters (replicated), the shard gradients (1/dp_shard
@@ -30,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.collectives import all_gather, reduce_scatter
+from lightning_v17.engine.collectives import reduce_scatter
 from lightning_v17.engine.fsdp import apply_fsdp
+from lightning_v17.engine.zero_comm import gather_bucket, pack_grad, pack_rows
 from lightning_v17.engine.zero_layout import (
     PARTITIONS,
     _Bucket,
@@ -255,24 +257,29 @@ class ZeroEngine:
         return _local(g)
 
     def _launch(self, b: _Bucket) -> None:
+        # The mean over dp ranks is folded into the copy that packs each gradient into the bucket (one pass instead of
+        # a copy then a division of the whole bucket; the same arithmetic, so the same bits): see zero_comm.
         dtype = self.reduce_dtype or self._grad(b.params[0]).dtype
+        device = _local(b.params[0].param).device
         if self.stage in (0, 1) or self.owner_mode:
-            b.buf = torch.cat([self._grad(e).reshape(-1).to(dtype) for e in b.params])
-            b.buf.div_(self.dp)  # pre-divide: the mean over dp ranks, like DDP
+            b.buf = torch.empty(sum(_local(e.param).numel() for e in b.params), dtype=dtype, device=device)
+            off = 0
+            for e in b.params:
+                g = self._grad(e)
+                pack_grad(b.buf[off : off + g.numel()].view_as(g), g, self.dp)
+                off += g.numel()
             b.work = dist.all_reduce(b.buf, group=self._full_group(), async_op=True)
             return
-        # stage 2: lay every parameter's rows out as [world, padded_rows*row_numel] so rank r's segment holds its rows.
-        buf = torch.zeros(self.world, b.seg_numel, dtype=dtype, device=_local(b.params[0].param).device)
+        # stage 2: lay every parameter's rows out as [world, padded_rows*row_numel] so rank r's segment holds its rows
+        # (written in place, no padded copy: only the padding rows are zeroed).
+        buf = torch.empty(self.world, b.seg_numel, dtype=dtype, device=device)
         off = 0
         for e in b.params:
-            g = _rows(self._grad(e))
             if e.rows:
-                padded = torch.zeros(e.padded_rows * self.world, e.row_numel, dtype=dtype, device=g.device)
-                padded[: e.rows].copy_(g)
-                buf[:, off : off + e.seg_numel].copy_(padded.view(self.world, e.seg_numel))
+                dst = buf[:, off : off + e.seg_numel].unflatten(1, (e.padded_rows, e.row_numel))
+                pack_rows(dst, self._grad(e), e, self.world, self.dp)
             off += e.seg_numel
             e.param.grad = None  # the full gradient is freed now; only the reduced shard is kept
-        buf.div_(self.dp)
         b.buf = buf.view(-1)
         b.out = torch.empty(b.seg_numel, dtype=dtype, device=buf.device)
         # gloo: all_to_all + local sum (engine/collectives.py); other backends: reduce_scatter_tensor
@@ -292,6 +299,9 @@ class ZeroEngine:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         self._next_launch = 0
+        # Views of the bucket keep all of it alive: not when stage 2 ("params") drops the gradients it does not own, nor
+        # for tensor-parallel (DTensor) gradients, which must stay DTensors.
+        keep_grads = (self.owner_mode and self.stage == 2) or any(_is_dtensor(e.param) for e in self.params)
         for b in self.buckets:
             b.work.wait()
             if self.stage in (0, 1) or self.owner_mode:
@@ -299,10 +309,11 @@ class ZeroEngine:
                 for e in b.params:
                     n = _local(e.param).numel()
                     flat = b.buf[off : off + n].view_as(_local(e.param))
-                    if e.param.grad is None:
-                        e.param.grad = flat.to(e.param.dtype).clone()
-                    else:
+                    if e.param.grad is not None and (keep_grads or flat.dtype != e.param.dtype):
                         _local(e.param.grad).copy_(flat)
+                    else:  # the reduced bucket becomes the gradient (a view: no copy, DDP's gradient_as_bucket_view)
+                        g = flat.to(e.param.dtype)
+                        e.param.grad = g.clone() if keep_grads and g is flat else g
                     off += n
                     if self.owner_mode:
                         if self.stage == 2 and e.owner != self.rank:
@@ -336,23 +347,14 @@ class ZeroEngine:
         if self.owner_mode:
             self._broadcast_owned()
             return
+        # Bucket k+1 is packed while bucket k is on the wire; at most two are in flight (two receive buffers).
+        pending: list[Any] = []
         for b in self.buckets:
-            dtype = b.params[0].param.dtype
-            send = torch.zeros(b.seg_numel, dtype=dtype, device=_local(b.params[0].param).device)
-            off = 0
-            for e in b.params:
-                n = (e.stop - e.start) * e.row_numel
-                send[off : off + n].copy_(_rows(e.param.detach())[e.start : e.stop].reshape(-1))
-                off += e.seg_numel
-            recv = torch.empty(self.world * b.seg_numel, dtype=dtype, device=send.device)
-            all_gather(recv, send, group=self.shard_group)
-            recv = recv.view(self.world, b.seg_numel)
-            off = 0
-            for e in b.params:
-                if e.rows:
-                    full = recv[:, off : off + e.seg_numel].reshape(self.world * e.padded_rows, e.row_numel)
-                    _rows(e.param.detach()).copy_(full[: e.rows])
-                off += e.seg_numel
+            pending.append(gather_bucket(b, world=self.world, rank=self.rank, group=self.shard_group))
+            if len(pending) > 1:
+                pending.pop(0).wait()
+        for p in pending:
+            p.wait()
 
     @torch.no_grad()
     def _broadcast_owned(self) -> None:
@@ -553,6 +555,10 @@ def apply_zero(
 
     engine.set_dp_group(submesh(mesh, "dp").get_group())
     return engine
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "_local_tensor")
 
 
 @torch.no_grad()
