@@ -7,6 +7,12 @@ of the rank's shard), the peak RSS (``ru_maxrss``), the drop against ``none`` as
 (target >= 0.8 for nvme), the bytes of the rank's files on the nvme tier after the last step, and the losses (which
 must be identical across arms).
 
+``nvme_params`` adds ``offload_params="nvme"`` to the nvme arm (ZeRO-Infinity: the parameter shards on nvme too,
+``lightning_v17/engine/param_offload.py``); its row gives the planner's fp32 parameter shard of the rank
+(``planned_param_bytes``: 4 B/param over dp=2, ``model_state_bytes_per_rank``), the bytes of the rank's parameter
+files and of shards left in memory after the last step, and the RSS drop against the ``nvme`` arm as a fraction of
+the planned shard (``drop_vs_nvme_over_planned_params``; target >= 0.8).
+
 On this CPU-only machine the cpu tier shares memory with compute (no drop expected; it shows the chunked step's
 cost), and the nvme tier is a directory on the local disk (``--nvme-path``; the page cache may serve the reads).
 ``io_wait_share``: the fraction of the optimizer step's wall time spent waiting for reads and write-backs (the I/O
@@ -16,7 +22,8 @@ Speed anchor: ``ds_cpu``, raw DeepSpeed ZeRO-3 with ``offload_optimizer.device="
 with ``--optimizer cpu_adam``; ``tokens_per_s_ratio_cpu_over_ds_cpu``). DeepSpeed's nvme optimizer offload needs its
 async_io op (libaio-dev), so it has no arm here.
 
-    python bench/offload.py                       # 4 arms, 1 round
+    python bench/offload.py                       # every arm, 1 round
+    python bench/offload.py --arms none_mmap,nvme,nvme_params   # the parameter-offload table
     python bench/offload.py --arms none,nvme --rounds 2 --shape '{"hidden": 512, "layers": 4}'
 """
 
@@ -37,7 +44,8 @@ from bench import _common as C
 #: share of the RSS drop from the offload's)
 #: ds_cpu: raw DeepSpeed ZeRO-3 with offload_optimizer={"device": "cpu"} and DeepSpeedCPUAdam (the speed anchor);
 #: DeepSpeed's nvme optimizer offload needs its async_io op (libaio-dev), absent here, so it has no arm
-ARMS = ("none", "none_mmap", "cpu", "nvme", "ds_cpu")
+#: nvme_params: offload_optimizer="nvme" and offload_params="nvme" (ZeRO-Infinity: the parameter shards on nvme too)
+ARMS = ("none", "none_mmap", "cpu", "nvme", "nvme_params", "ds_cpu")
 LR, WEIGHT_DECAY = 1e-4, 0.01
 #: >= 100M parameters (103.3M): 8 blocks of width 1024; short sequences keep a step near a second on 2 cores
 DEFAULT_SHAPE = {"vocab": 1024, "hidden": 1024, "layers": 8, "heads": 16, "seq": 64, "batch": 1}
@@ -83,8 +91,14 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
 
     class Timing(L.Callback):
         def on_train_start(self, trainer, pl_module):
+            from lightning_v17.planner.memory import model_state_bytes_per_rank
+
             info["planned_optimizer_bytes"] = planned_state_bytes(trainer.optimizers[0])
-            info["num_params"] = sum(p.numel() for p in pl_module.parameters())
+            info["num_params"] = n = sum(p.numel() for p in pl_module.parameters())
+            # the planner's fp32 parameter shard of this rank (ZeRO §3.1: 4 B/param over dp=2 at stage 3)
+            info["planned_param_bytes"] = model_state_bytes_per_rank(
+                n, zero_stage=3, dp=world, param_bytes=4, grad_bytes=4, optimizer_bytes=8
+            ).param
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(outputs["loss"]))
@@ -92,6 +106,10 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
             if off is not None and batch_idx >= args.warmup:
                 info["io_wait_s"] += off.io_wait_s
                 info["opt_step_s"] += off.step_s
+            po = trainer.strategy.zero.param_offload
+            if po is not None:
+                info["param_disk_bytes"], info["param_resident_bytes"] = po.disk_bytes(), po.resident_bytes()
+                info["param_io_wait_s"] = round(po.io_wait_s, 3)
             if off is not None:
                 info["disk_bytes"] = off.disk_bytes()
                 info["chunks"], info["nvme_chunks"], info["io_backend"] = len(off.chunks), off.nvme_chunks, off.backend
@@ -102,6 +120,8 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
         from lightning_v17.engine.offload import fix_mmap_threshold
 
         fix_mmap_threshold()
+    elif arm == "nvme_params":
+        offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb)
     elif arm != "none":
         offload = OffloadPolicy(optimizer=arm, nvme_path=args.nvme_path if arm == "nvme" else None,
                                 chunk_mb=args.chunk_mb)  # fmt: skip
@@ -113,7 +133,7 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
     )  # fmt: skip
     t0 = time.perf_counter()
     trainer.fit(BenchLM())
-    left = sorted(os.listdir(args.nvme_path)) if arm == "nvme" else []
+    left = sorted(os.listdir(args.nvme_path)) if arm.startswith("nvme") else []
     C.write_result(
         args._out, timer, shape, world, losses=losses, fit_s=time.perf_counter() - t0,
         io_wait_share=info["io_wait_s"] / info["opt_step_s"] if info["opt_step_s"] else None,
@@ -197,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = []
     base = results.get("none", {}).get("peak_rss_mb")
     base_mmap = results.get("none_mmap", {}).get("peak_rss_mb")
+    base_nvme = results.get("nvme", {}).get("peak_rss_mb")
     for a in arms:
         ok = [r for r in runs[a] if r["ok"]]
         if not ok:
@@ -207,7 +228,12 @@ def main(argv: list[str] | None = None) -> dict:
                 "arm": a, "rank": k, "planned_optimizer_bytes": rk["planned_optimizer_bytes"],
                 "peak_rss_mb": results[a]["peak_rss_mb"][k], "disk_bytes": rk.get("disk_bytes", 0),
                 "chunks": rk.get("chunks"), "io_wait_share": rk.get("io_wait_share"),
+                "planned_param_bytes": rk.get("planned_param_bytes"), "param_disk_bytes": rk.get("param_disk_bytes"),
+                "param_resident_bytes": rk.get("param_resident_bytes"),
             }  # fmt: skip
+            if a == "nvme_params" and base_nvme is not None:  # the parameters' own share (target >= 0.8)
+                drop = (base_nvme[k] - row["peak_rss_mb"]) * 2**20
+                row["drop_vs_nvme_over_planned_params"] = round(drop / rk["planned_param_bytes"], 3)
             if base is not None:
                 drop = (base[k] - row["peak_rss_mb"]) * 2**20
                 row["rss_drop_mb"] = round(drop / 2**20, 1)

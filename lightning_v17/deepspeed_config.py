@@ -56,7 +56,8 @@ DEEPSPEED_NO_EFFECT_KEYS: dict[str, str] = {
     "parameters (accelerator parameters are refused with an optimizer offload in this version)",
     "zero_optimization.offload_param.pin_memory": "V17 pins offloaded parameters exactly when CUDA is available "
     "(FSDP2 CPUOffloadPolicy); pinning needs an accelerator",
-    "zero_optimization.offload_param.buffer_count": "offload_param.device='nvme' is not implemented yet",
+    "zero_optimization.offload_param.buffer_count": "the nvme parameter tier reads ahead prefetch_units units "
+    "(forward and backward) and offload_optimizer.buffer_count - 1 chunks in the step; set V17Strategy(prefetch_units=...)",
     "zero_optimization.offload_param.ratio": "parameters are offloaded whole (no partial parameter offload)",
 }
 
@@ -122,6 +123,12 @@ def from_deepspeed_config(config: dict[str, Any] | str | Any) -> TrainingPolicy:
         zero_kw["stage"] = flat["zero_optimization.stage"]
     if "zero_optimization.reduce_bucket_size" in flat:
         zero_kw["bucket_mb"] = float(flat["zero_optimization.reduce_bucket_size"]) * 4 / 2**20
+    paths = {flat.get(f"zero_optimization.{k}.nvme_path") for k in ("offload_optimizer", "offload_param")} - {None}
+    if len(paths) > 1:
+        raise V17ConfigError(
+            f"zero_optimization.offload_optimizer.nvme_path and offload_param.nvme_path differ ({sorted(paths)}); V17 "
+            "keeps both nvme tiers under one nvme_path (each rank in its own folder): give the same directory"
+        )
     offload = OffloadPolicy(
         optimizer=flat.get("zero_optimization.offload_optimizer.device", "none"),
         params=flat.get("zero_optimization.offload_param.device", "none"),

@@ -85,14 +85,12 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
         schedule=given["pp_schedule"], microbatches=given["microbatches"], virtual_stages=given["virtual_stages"],
         split_points=tuple(split) if split else None,
     )  # fmt: skip
-    if offload.params == Tier.NVME:
-        if not zero.shards_params:
-            raise V17ConfigError(
-                f"offload_params='nvme' keeps parameter shards on NVMe and needs zero_stage=3 (got {zero.stage}); set "
-                "zero_stage=3, or offload only the optimizer with offload_optimizer='nvme'"
-            )
-        raise V17ConfigError("offload_params='nvme' is not implemented yet; use 'cpu' (stage 3) or 'none'")
-    if offload.optimizer == Tier.NVME:
+    if offload.params == Tier.NVME and not zero.shards_params:
+        raise V17ConfigError(
+            f"offload_params='nvme' keeps parameter shards on NVMe and needs zero_stage=3 (got {zero.stage}); set "
+            "zero_stage=3, or offload only the optimizer with offload_optimizer='nvme'"
+        )
+    if Tier.NVME in (offload.optimizer, offload.params):
         from lightning_v17.engine.nvme import check_nvme_path
 
         check_nvme_path(offload.nvme_path)  # exists and is writable: now, before any process starts

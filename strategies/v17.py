@@ -98,7 +98,12 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             1-3). The optimizer steps chunk by chunk through the tier; with "nvme" its state is read ahead and written
             back asynchronously under ``nvme_path`` (``lightning_v17/engine/offload.py``). Parameters on an
             accelerator are refused with "cpu"/"nvme" in this version (the host-side step is not implemented yet).
-        offload_params: where sharded parameters live between uses (stage 3): "none", "cpu" or "nvme".
+        offload_params: where sharded parameters live between uses (stage 3): "none", "cpu" (FSDP2's
+            ``CPUOffloadPolicy``) or "nvme" (ZeRO-Infinity: each unit's shards are read from files under ``nvme_path``
+            ahead of its all-gather, ``prefetch_units`` units ahead, freed after it, streamed chunk by chunk through
+            the optimizer step and written back; ``lightning_v17/engine/param_offload.py``). "nvme" refuses parameters
+            on an accelerator and fp8 in this version; code that reads parameters outside forward and the
+            step must do it inside ``trainer.strategy.zero.param_offload.resident()``.
         nvme_path: directory for the "nvme" tier: must exist, be writable, and have room for the offloaded state
             plus a margin (checked before step 0); each rank writes in its own run folder, removed at teardown.
         offload_optimizer_ratio: fraction (0, 1] of the optimizer state on the ``offload_optimizer`` tier; the rest

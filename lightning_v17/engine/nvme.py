@@ -4,19 +4,18 @@
   and removes it on :meth:`~NvmeFileSet.close` (the strategy's teardown, which Lightning also runs when ``fit``
   raises), at interpreter exit, and when the object is collected. A SIGKILLed run leaves its folder behind (nothing
   can run then); the checkpoint, not the tier, is what a resume reads (``engine/offload.py``).
-* **I/O.** :class:`ThreadPoolIO`: ``os.pwrite`` / ``os.preadv`` on a small thread pool (both release the GIL, so
-  reads ahead of use and write-back overlap the optimizer's compute). DeepSpeed's ``async_io`` op (libaio) is the
-  faster path on a real NVMe drive, but it builds only with the Debian package ``libaio-dev``; :func:`io_backend`
-  reports which backend runs and why, and the offload engine logs that once. This version always uses the thread
-  pool: the ``async_io`` path is not wired in yet (it could not be built or tested on the machine this was written
-  on), and the log says so when the op would have been available.
+* **I/O.** :func:`open_io` picks the backend once per tier folder: DeepSpeed's ``async_io`` op (libaio, O_DIRECT;
+  :mod:`~.nvme_aio`) when it builds (it needs the Debian package ``libaio-dev``) and a probe round trip works in the
+  folder, else :class:`ThreadPoolIO`: ``os.pwrite`` / ``os.preadv`` on a small thread pool (both release the GIL, so
+  reads ahead of use and write-back overlap the optimizer's compute). The offload engines log the backend in use
+  and the reason once.
 * **Checks before step 0.** :func:`check_nvme_path`: the path exists, is a writable directory, and has room for the
   bytes the planner puts there plus a margin; each failure names the option and the fix.
 """
 
 from __future__ import annotations
 
-import functools
+import ctypes
 import logging
 import os
 import shutil
@@ -25,12 +24,13 @@ import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lightning_v17.config import V17ConfigError
 
-__all__ = ["NvmeFileSet", "ThreadPoolIO", "check_nvme_path", "free_margin_bytes", "io_backend"]
+__all__ = ["NvmeFileSet", "ThreadPoolIO", "check_nvme_path", "free_margin_bytes", "open_io"]
 
 log = logging.getLogger(__name__)
 
@@ -83,25 +83,27 @@ def check_nvme_path(path: str | os.PathLike | None, *, need_bytes: int = 0, opti
     return p
 
 
-@functools.cache
-def io_backend() -> tuple[str, str]:
-    """``(backend, reason)``: the I/O backend the NVMe tier uses on this machine and why (cached per process)."""
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+def open_io(folder: str | os.PathLike) -> tuple[ThreadPoolIO | Any, str]:
+    """The I/O backend for a tier folder and why: DeepSpeed's ``async_io`` op (:class:`~.nvme_aio.AioIO`) when it
+    builds and an O_DIRECT round trip works in ``folder``, else :class:`ThreadPoolIO` with the reason it is not."""
+    from lightning_v17.engine.nvme_aio import aio_backend_or_reason
 
-        ok = AsyncIOBuilder().is_compatible(verbose=False)
-    except Exception as err:  # noqa: BLE001 - a probe: any failure means "not available"
-        return "threadpool", f"DeepSpeed's async_io op is unavailable ({type(err).__name__}: {err})"
-    if not ok:
-        return "threadpool", "DeepSpeed's async_io op is not compatible here (libaio-dev is missing)"
-    return "threadpool", "DeepSpeed's async_io op would build here, but V17's libaio path is not implemented yet"
+    aio, reason = aio_backend_or_reason(folder)
+    if aio is not None:
+        return aio, reason
+    return ThreadPoolIO(), reason
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
-    """A writable/readable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
+    """A writable/readable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included); the caller keeps
+    ``t`` alive while the view is used. Through ctypes, not ``Tensor.numpy()``: exporting a storage to numpy marks it
+    non-resizable for good, and the parameter tier frees and refills shard storages with ``resize_``."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("NVMe I/O needs a contiguous CPU tensor")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 class ThreadPoolIO:
@@ -160,6 +162,12 @@ class ThreadPoolIO:
         """Read ``path`` into a fresh uint8 tensor of ``nbytes`` asynchronously; the future's result is it."""
         self.bytes_read += nbytes
         return self._reader.submit(self._read, path, torch.empty(nbytes, dtype=torch.uint8))
+
+    def read_into(self, path: Path, t: torch.Tensor) -> Future:
+        """Read ``path`` into the existing contiguous CPU tensor ``t`` (its bytes) asynchronously; the result is ``t``.
+        The caller must not touch ``t`` until the future is done (the parameter tier reads into a shard's storage)."""
+        self.bytes_read += t.numel() * t.element_size()
+        return self._reader.submit(self._read, path, t)
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)

@@ -51,6 +51,10 @@ read the state from the tier and loads write it there; resume and reshard go thr
 offload. A save holds the whole state in memory for its duration (the state dict references it). At teardown the
 nvme files are removed and the state they held is released: save checkpoints during ``fit``.
 
+With ``offload_params="nvme"`` (:mod:`lightning_v17.engine.param_offload`) the step also streams the parameter
+shards: chunk k's shards are read ``buffer_count - 1`` chunks ahead, stepped, and written back; an optimizer without
+an offloaded state (``tier=Tier.NONE``) is then stepped chunk by chunk for that alone.
+
 There is no separate fp32 master copy to place here: the optimizer steps the fp32 parameters themselves (stages
 0-2 run mixed precision as autocast over fp32 parameters; stage 3's sharded fp32 parameters are FSDP2's master,
 which the next forward all-gathers from).
@@ -168,6 +172,9 @@ class OptimizerOffload:
         rank: this process's global rank (names its nvme folder).
         chunk_mb: MiB of this rank's fp32 parameter elements per chunk (its state is ~2x that for AdamW).
         buffer_count: chunk buffers of the nvme reader: the step reads ``buffer_count - 1`` chunks ahead (>= 2).
+        params: the :class:`~lightning_v17.engine.param_offload.ParamOffload` of parameters on the nvme tier (then
+            ``tier`` may be ``Tier.NONE``): each chunk's parameter shards are read ahead like its state, and written
+            back after its step.
     """
 
     def __init__(
@@ -180,10 +187,12 @@ class OptimizerOffload:
         rank: int = 0,
         chunk_mb: float = 4.0,
         buffer_count: int = 2,
+        params: Any = None,
     ) -> None:
         tier = Tier.parse(tier, "offload_optimizer")
-        if tier == Tier.NONE:
-            raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme'")
+        if tier == Tier.NONE and params is None:
+            raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme' (or parameters on the nvme tier)")
+        self.param_tier = params
         if not 0.0 < ratio <= 1.0:
             raise V17ConfigError(f"offload_optimizer_ratio={ratio!r} must be in (0, 1]")
         if buffer_count < 2:
@@ -213,8 +222,8 @@ class OptimizerOffload:
             )
         if nvme_params:
             self.files = nvme.NvmeFileSet(nvme_path, rank=rank)  # type: ignore[arg-type]
-            self.io = nvme.ThreadPoolIO()
-            self.backend, reason = nvme.io_backend()
+            self.io, reason = nvme.open_io(self.files.folder)
+            self.backend = self.io.name
             _log_backend_once(self.backend, reason)
             fix_mmap_threshold()
         self._inner_step: Callable[..., Any] = optimizer.step
@@ -361,6 +370,12 @@ class OptimizerOffload:
                 loss = closure()
         t_closure = time.perf_counter() - t_start
         opt = self.optimizer
+        pt = self.param_tier
+        precs = [pt.recs_of(self.params[i] for i in c.params) for c in self.chunks] if pt is not None else []
+        if pt is not None:
+            pt.release_all()  # reads ahead that forward/backward left unused
+            for k in range(min(self.depth, len(self.chunks))):
+                pt.prefetch(precs[k])
         groups = opt.param_groups
         group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
         originals = [g["params"] for g in groups]
@@ -369,6 +384,10 @@ class OptimizerOffload:
                 self._install(k)
                 if k + self.depth < len(self.chunks):
                     self._read(k + self.depth)
+                if pt is not None:
+                    pt.fetch(precs[k])
+                    if k + self.depth < len(self.chunks):
+                        pt.prefetch(precs[k + self.depth])
                 members: dict[int, list[torch.Tensor]] = {}
                 for i in c.params:
                     members.setdefault(group_of[i], []).append(self.params[i])
@@ -383,9 +402,13 @@ class OptimizerOffload:
                         g["params"] = ps
                 if c.tier == Tier.NVME:
                     self._spill(k)
+                if pt is not None:
+                    pt.release(precs[k], dirty=True)  # the stepped shards back to their tier
         finally:
             opt.param_groups = groups
             self._bound_writes(0)
+            if pt is not None:
+                pt.flush()
         if self.files is not None:
             trim_heap()
         self.step_s = time.perf_counter() - t_start - t_closure
@@ -406,7 +429,8 @@ class OptimizerOffload:
         self._materialized = True
         self.optimizer.step = self._inner_step  # type: ignore[method-assign]
         try:
-            yield
+            with self.param_tier.resident() if self.param_tier is not None else _nothing():
+                yield  # (a state-dict read of an empty state runs a zero-lr step over the parameters)
         finally:
             self.optimizer.step = self.step  # type: ignore[method-assign]
             self._materialized = False
@@ -451,6 +475,11 @@ class OptimizerOffload:
 _LOGGED: set[str] = set()
 
 
+@contextmanager
+def _nothing() -> Generator[None, None, None]:
+    yield
+
+
 def _log_backend_once(backend: str, reason: str) -> None:
     if backend not in _LOGGED:
         _LOGGED.add(backend)
@@ -466,6 +495,7 @@ def attach_offload(
     rank: int = 0,
     chunk_mb: float = 4.0,
     buffer_count: int = 2,
+    params: Any = None,
 ) -> OptimizerOffload:
     """Put ``optimizer``'s state on ``tier`` (see :class:`OptimizerOffload`); a ``LightningOptimizer`` is unwrapped.
 
@@ -479,7 +509,7 @@ def attach_offload(
         return existing
     return OptimizerOffload(
         opt, tier=Tier.parse(tier, "offload_optimizer"), nvme_path=nvme_path, ratio=ratio, rank=rank,
-        chunk_mb=chunk_mb, buffer_count=buffer_count,
+        chunk_mb=chunk_mb, buffer_count=buffer_count, params=params,
     )  # fmt: skip
 
 

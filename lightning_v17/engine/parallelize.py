@@ -19,6 +19,8 @@ Why this order (torchtitan's, and Megatron's before it):
 6. **Replicas agree**: every parameter is broadcast over the axes it is replicated on (``dp_replicate`` for HSDP,
    the whole ``dp`` group at stages 0-2, ``tp`` for tp-replicated parameters), so ranks that drew different random
    initial weights never train different replicas.
+7. **Parameter offload** (``offload_params="nvme"``, ``engine/param_offload.py``) once the shards are final: each
+   FSDP2 group's shards go to the nvme tier and come back only around their all-gathers and the optimizer step.
 
 The function knows no model family: plans (a TP plan, a pipeline layout, a loss) are handed to it, resolved by the
 caller from the user's options, the LightningModule's hooks or the model's own plan (``lightning_v17.models``).
@@ -89,8 +91,14 @@ def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
         info = schedule_info(policy.pipeline.schedule)
         info.check_runnable()
         info.check_microbatches(pp=pp, microbatches=policy.pipeline.microbatches)
-    if policy.offload.params == Tier.CPU and stage != 3:
-        raise V17ConfigError("offload_params='cpu' shards parameters to CPU and needs zero_stage=3")
+    params = policy.offload.params
+    if params != Tier.NONE and stage != 3:
+        raise V17ConfigError(f"offload_params={params.value!r} offloads ZeRO-3 parameter shards and needs zero_stage=3")
+    if params == Tier.NVME and policy.fp8 is not None:
+        raise V17ConfigError(
+            "offload_params='nvme' with fp8 is not implemented yet (the float8 scales read the weights after each "
+            "step); use offload_params='cpu' or 'none' with fp8, or drop fp8"
+        )
 
 
 def _units(module: nn.Module, policy: TrainingPolicy) -> list[nn.Module]:
@@ -150,6 +158,24 @@ def apply_zero_stage(
         shard_group=mesh.group("dp_shard"),
         shard_size=mesh.spec.dp_shard,
     )
+
+
+def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: TrainingPolicy) -> None:
+    """``offload_params="nvme"``: the FSDP2 groups' shards to the nvme tier (root group first, then the units in
+    module order, i.e. forward order); the optimizer's step then streams them (``ZeroBackend.prepare_optimizers``)."""
+    if policy.offload.params != Tier.NVME or not backend.shards_params:
+        return
+    if backend.param_offload is not None and not backend.param_offload.closed:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_v17.engine.param_offload import ParamOffload
+
+    backend.param_offload = ParamOffload(
+        [m for m in module.modules() if isinstance(m, FSDPModule)], nvme_path=policy.offload.nvme_path,
+        rank=dist.get_rank() if dist.is_initialized() else 0, prefetch_units=policy.zero.prefetch_units,
+        buffer_count=policy.offload.buffer_count,
+    )  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -231,6 +257,7 @@ def parallelize(
             done.zero = apply_zero_stage(
                 module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
             )
+        _attach_param_offload(module, done.zero, policy)  # again after a teardown brought the shards back
         return done
     spec = mesh.spec
     check_composition(policy, pp=spec.pp, tp=spec.tp)
@@ -281,6 +308,7 @@ def parallelize(
     sync_replicas(module, mesh=mesh, backend=backend)  # 6. one model on every replica
     if fp8 is not None:
         fp8.refresh_weight_scales()  # float8 all-gather: whole-weight scales from the first step on (see FP8Runtime)
+    _attach_param_offload(module, backend, policy)  # 7. parameter shards to nvme, once they are final
     if spec.pp > 1:
         pipeline = build_schedule(
             stage_modules,

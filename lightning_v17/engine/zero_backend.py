@@ -60,6 +60,8 @@ class ZeroBackend:
         self.active = True
         #: the optimizers' offload engines (``offload_optimizer`` "cpu"/"nvme"), closed by :meth:`remove`
         self.offloads: list[Any] = []
+        #: the parameter shards' nvme tier (``offload_params="nvme"``, engine/param_offload.py), set by parallelize
+        self.param_offload: Any = None
 
     # ------------------------------------------------------------------ what is sharded
     @property
@@ -129,7 +131,8 @@ class ZeroBackend:
             self.engine.choose_partition(optimizers)
             for opt in optimizers:
                 self.engine.shard_optimizer(opt)
-        if offload is not None and offload.optimizer != "none":
+        params = self.param_offload if self.param_offload is not None and not self.param_offload.closed else None
+        if offload is not None and (offload.optimizer != "none" or params is not None):
             import torch.distributed as dist
 
             from lightning_v17.engine.offload import attach_offload
@@ -137,7 +140,7 @@ class ZeroBackend:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.offloads = [
                 attach_offload(opt, tier=offload.optimizer, nvme_path=offload.nvme_path, ratio=offload.optimizer_ratio,
-                               rank=rank, buffer_count=offload.buffer_count, chunk_mb=offload.chunk_mb)
+                               rank=rank, buffer_count=offload.buffer_count, chunk_mb=offload.chunk_mb, params=params)
                 for opt in optimizers
             ]  # fmt: skip
 
@@ -180,6 +183,8 @@ class ZeroBackend:
         for off in self.offloads:
             off.close()
         self.offloads = []
+        if self.param_offload is not None:
+            self.param_offload.close()  # every shard back in memory: after fit the model is plain FSDP2 again
         if self.engine is not None:
             self.engine.remove()
             self.active = False

@@ -145,9 +145,9 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
         elif lay.offload_params in IMPLEMENTED_OFFLOAD_PARAMS:
             args["offload_params"] = lay.offload_params.value
         else:
-            not_emitted.append(f"offload_params={lay.offload_params.value!r} is not implemented by V17Strategy yet; "
-                               "the run keeps the parameter shards on the device (or plan with "
-                               "--offload-params cpu)")
+            not_emitted.append(f"offload_params={lay.offload_params.value!r} is not emitted: it needs nvme_path=<a "
+                               "directory on this machine's NVMe drive>, which the plan cannot know; add both to the "
+                               "strategy's init_args (the run keeps the parameter shards on the device otherwise)")
     return {"class_path": STRATEGY_CLASS, "init_args": args}
 
 

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from tests._dist import spawn
+from tests.dist.test_offload_params import check_fp32, fit_params, too_small
 from tests.dist.test_optim_library import (
     EIGHT_BIT_LOSS_TOL,
     EIGHT_BIT_UPDATE_TOL,
@@ -143,6 +144,10 @@ def _worker(rank: int, world_size: int, names: list[str], root: str) -> dict:
     out["resumed"] = _fit("adamw", 3, "nvme", root, batches=EPOCH_STEPS, ckpt_path=ckpt[0])
     out["resumed_zero1"] = _fit("adamw", 1, "nvme", root, batches=EPOCH_STEPS, ckpt_path=ckpt[0])
     dist.barrier()
+    # offload_params="nvme" (tests/dist/test_offload_params.py holds the full matrix): the quick cases ride along here
+    out["params_nvme"] = fit_params(root, "params", optimizer="nvme")
+    out["params_too_small"] = too_small(root)  # last: this Trainer fails in setup
+    dist.barrier()
     return out
 
 
@@ -233,3 +238,16 @@ def test_checkpoint_resume_with_state_on_nvme_is_exact(results) -> None:
 def _loss_errors_n(got: list[float], want: list[float]) -> list[float]:
     assert len(got) == len(want)
     return [abs(a - b) / abs(b) for a, b in zip(got, want)]
+
+
+def test_params_on_nvme_match_single_process_and_are_really_offloaded(results) -> None:
+    """offload_params="nvme" with offload_optimizer="nvme", fp32 AdamW: losses and parameters within 1e-6 of one
+    process; no parameter shard in memory after any step, every shard's bytes in the rank's files, removed at the
+    end (test_offload_params.check_fp32)."""
+    check_fp32(results, "params_nvme")
+
+
+def test_params_on_a_too_small_drive_are_refused_before_training(results) -> None:
+    for res in results:
+        err = res["params_too_small"]["error"]
+        assert err is not None and "nvme_path=" in err and "GiB free, but this rank offloads" in err, err

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_v17.config import OffloadPolicy, Tier, V17ConfigError
-from lightning_v17.engine.nvme import NvmeFileSet, ThreadPoolIO, check_nvme_path, free_margin_bytes, io_backend
+from lightning_v17.engine.nvme import NvmeFileSet, ThreadPoolIO, check_nvme_path, free_margin_bytes, open_io
+from tests.unit.test_nvme_aio import fs_type
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.int64])
@@ -27,9 +28,24 @@ def test_threadpool_io_round_trip(tmp_path, dtype) -> None:
     io.close()
 
 
-def test_backend_is_named() -> None:
-    backend, reason = io_backend()
-    assert backend == "threadpool" and "async_io" in reason
+def test_backend_is_named_and_libaio_used_where_it_builds(tmp_path) -> None:
+    io, reason = open_io(tmp_path)
+    try:
+        assert "async_io" in reason
+        try:
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            has_libaio = AsyncIOBuilder().is_compatible(verbose=False)
+        except Exception:  # noqa: BLE001 - no DeepSpeed op builder: the thread pool is the only backend
+            has_libaio = False
+        # libaio-dev present: the tier uses it unless the folder's file system refuses O_DIRECT (tmpfs; the reason
+        # says so); absent: the thread pool, with the reason
+        if has_libaio and fs_type(tmp_path) not in ("tmpfs", "ramfs", ""):
+            assert io.name == "deepspeed_aio", (io.name, reason)
+        else:
+            assert io.name == "threadpool", (io.name, reason)
+    finally:
+        io.close()
 
 
 def test_check_nvme_path_errors_name_the_option(tmp_path) -> None:
@@ -128,3 +144,62 @@ def test_deepspeed_offload_keys_map_onto_the_policy(tmp_path) -> None:
     with pytest.warns(UserWarning):
         s = V17Strategy(config=cfg)
     assert s.policy.offload.optimizer_ratio == 0.3
+
+
+def test_read_into_fills_a_shard_storage_in_place_and_keeps_it_resizable(tmp_path) -> None:
+    """The parameter tier frees and refills a shard's storage with ``resize_`` and reads into it: the I/O must not
+    pin the storage (``Tensor.numpy()`` would mark it non-resizable for good)."""
+    io = ThreadPoolIO()
+    padded = torch.randn(2000)
+    view = padded[:1500]  # FSDP2's sharded parameter: a view of the padded shard
+    want = view.clone()
+    storage = padded.untyped_storage()
+    byte_view = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    io.write(tmp_path / "p.bin", byte_view).result()
+    storage.resize_(0)  # freed: the view keeps its metadata only
+    assert storage.nbytes() == 0 and view.shape == (1500,)
+    storage.resize_(8000)
+    byte_view = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (8000,), (1,))
+    io.read_into(tmp_path / "p.bin", byte_view).result()
+    assert torch.equal(view, want)  # the same view object sees the refilled bytes
+    storage.resize_(0)  # still resizable after the I/O
+    io.close()
+
+
+def test_param_offload_refused_before_training(tmp_path) -> None:
+    """offload_params='nvme': below stage 3, without nvme_path, a missing or unwritable path (construction); fp8
+    (parallelize's composition check, before any process touches the model; pp > 1 needs zero_stage <= 1 anyway). A too-small drive is refused in
+    setup, before step 0 (tests/dist/test_offload_optimizer.py::test_params_on_a_too_small_drive_...)."""
+    from lightning_v17.strategies import V17Strategy
+
+    from lightning_v17.config import FP8Policy, TrainingPolicy
+    from lightning_v17.engine.parallelize import check_composition
+
+    cases = [
+        ({"zero_stage": 2, "offload_params": "nvme", "nvme_path": str(tmp_path)},
+         r"offload_params='nvme' .* needs zero_stage=3 \(got 2\)"),
+        ({"offload_params": "nvme"}, r"an 'nvme' offload tier needs nvme_path="),
+        ({"offload_params": "nvme", "nvme_path": str(tmp_path / "nope")}, r"nvme_path=.* does not exist"),
+        ({"offload_params": "nvme", "nvme_path": "/sys"}, r"nvme_path='/sys' is not writable"),
+    ]  # fmt: skip
+    for kw, match in cases:
+        with pytest.raises(V17ConfigError, match=match):
+            V17Strategy(**kw)
+    s = V17Strategy(zero_stage=3, offload_params="nvme", nvme_path=str(tmp_path))
+    assert s.policy.offload.params == Tier.NVME and s.policy.offload.optimizer == Tier.NONE
+    offload = OffloadPolicy(params="nvme", nvme_path=str(tmp_path))
+    check_composition(TrainingPolicy(offload=offload), pp=1, tp=1)  # accepted
+    with pytest.raises(V17ConfigError, match=r"offload_params='nvme' with fp8 is not implemented yet"):
+        check_composition(TrainingPolicy(offload=offload, fp8=FP8Policy()), pp=1, tp=1)
+    assert not list(tmp_path.iterdir())  # construction creates no files
+
+
+def test_deepspeed_offload_param_nvme_maps_onto_the_policy(tmp_path) -> None:
+    from lightning_v17.deepspeed_config import from_deepspeed_config
+
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    off = from_deepspeed_config(cfg).offload
+    assert (off.params, off.optimizer, off.nvme_path) == (Tier.NVME, Tier.NONE, str(tmp_path))
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "other")}
+    with pytest.raises(V17ConfigError, match=r"offload_param.nvme_path differ .* give the same directory"):
+        from_deepspeed_config(cfg)

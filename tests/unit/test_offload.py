@@ -118,7 +118,10 @@ def test_offloaded_step_is_bitwise_the_plain_step(tmp_path, name: str, tier: str
         return
     on_disk = off.disk_bytes()
     nvme = [c for c in off.chunks if c.tier == Tier.NVME]
-    assert all(c.spilled for c in nvme) and on_disk == sum(c.nbytes for c in nvme) > 0
+    # the libaio backend writes whole O_DIRECT blocks: each file rounded up to its alignment (the thread pool: exact)
+    align, files = getattr(off.io, "alignment", 1), len(list(off.files.folder.iterdir()))
+    want = sum(c.nbytes for c in nvme)
+    assert all(c.spilled for c in nvme) and want <= on_disk <= want + files * (align - 1) and want > 0, (on_disk, want)
     if tier == "nvme":
         assert on_disk >= 0.9 * full, (on_disk, full)  # (8-bit: the per-block absmax and codes are on disk too)
         assert max(seen) == 0, (seen, full)  # between steps none of the per-parameter state is in memory

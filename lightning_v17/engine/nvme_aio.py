@@ -1,0 +1,148 @@
+"""The NVMe tier's libaio backend: DeepSpeed's ``async_io`` op (DeepNVMe) behind :class:`~.nvme.ThreadPoolIO`'s API.
+
+DeepSpeed's op opens files with ``O_DIRECT`` and submits libaio requests from its own C++ threads, so reads and
+writes bypass the page cache and overlap compute without holding the GIL. It needs the Debian package
+``libaio-dev`` to build (JIT, once, into ``~/.cache/torch_extensions``); :func:`aio_backend_or_reason` builds it and
+probes it on the tier's own directory (``O_DIRECT`` is refused by some file systems, e.g. tmpfs), and the tier
+falls back to the thread pool with the reason logged when anything fails.
+
+``O_DIRECT`` transfers whole 512-byte blocks, so each file is written padded to :meth:`AioIO.alignment` bytes and
+read back through an aligned bounce buffer when the tensor's size is not a multiple of it; file sizes on disk are
+therefore rounded up (at most ``alignment - 1`` bytes per file).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["AioIO", "aio_backend_or_reason"]
+
+log = logging.getLogger(__name__)
+
+#: DeepSpeed's defaults for its swapper (``aio`` config section): 1 MiB blocks, queue depth 8, one thread per op
+BLOCK_SIZE, QUEUE_DEPTH, INTRA_OP_PARALLELISM = 2**20, 8, 1
+
+
+@functools.cache
+def _aio_module():
+    """DeepSpeed's ``async_io`` op, built once per machine (raises when it cannot build)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        raise RuntimeError("DeepSpeed's async_io op is not compatible here (libaio-dev is missing)")
+    return builder.load(verbose=False)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor (any dtype), sharing its memory."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("NVMe I/O needs a contiguous CPU tensor")
+    return t.reshape(-1).view(torch.uint8)
+
+
+class AioIO:
+    """Whole-file reads and writes of CPU tensors through DeepSpeed's libaio op, one handle per direction.
+
+    The same API as :class:`~.nvme.ThreadPoolIO` (``write``, ``read``, ``read_into``, ``close``, byte counters):
+    each call returns a future, completed on a single-thread executor that runs the handle's synchronous parallel
+    read or write (which releases the GIL while libaio works). Reads and writes have their own handles and threads,
+    so a read ahead of use never waits behind a write-back.
+    """
+
+    name = "deepspeed_aio"
+
+    def __init__(self) -> None:
+        mod = _aio_module()
+        self._rh = mod.aio_handle(BLOCK_SIZE, QUEUE_DEPTH, False, True, INTRA_OP_PARALLELISM)
+        self._wh = mod.aio_handle(BLOCK_SIZE, QUEUE_DEPTH, False, True, INTRA_OP_PARALLELISM)
+        self.alignment = int(self._rh.get_alignment())
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="v17-aio-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="v17-aio-write")
+        self.bytes_read = self.bytes_written = 0
+
+    def _padded(self, n: int) -> int:
+        return -(-n // self.alignment) * self.alignment
+
+    def _write(self, path: Path, t: torch.Tensor) -> int:
+        src = _as_bytes(t)
+        n = src.numel()
+        buf = src
+        if n % self.alignment:
+            buf = torch.zeros(self._padded(n), dtype=torch.uint8)
+            buf[:n].copy_(src)
+        path.unlink(missing_ok=True)  # O_DIRECT writes do not truncate: a shorter file must not keep an old tail
+        rc = self._wh.sync_pwrite(buf, str(path))
+        size = path.stat().st_size if path.exists() else -1
+        if rc < 0 or size != buf.numel():  # the op can report success for a write the kernel refused (EINVAL)
+            raise OSError(f"{path}: DeepSpeed async_io write of {buf.numel()} bytes failed (rc {rc}, file {size} B)")
+        return n
+
+    def _read(self, path: Path, t: torch.Tensor) -> torch.Tensor:
+        dst = _as_bytes(t)
+        n = dst.numel()
+        size = path.stat().st_size
+        if size < n:
+            raise OSError(f"{path}: file ends at {size} of {n} bytes (truncated offload file)")
+        if size % self.alignment:
+            raise OSError(f"{path}: {size} bytes is not a multiple of the O_DIRECT alignment {self.alignment}")
+        buf = dst if size == n else torch.empty(size, dtype=torch.uint8)
+        if self._rh.sync_pread(buf, str(path)) < 0:
+            raise OSError(f"{path}: DeepSpeed async_io read of {buf.numel()} bytes failed")
+        if buf is not dst:
+            dst.copy_(buf[:n])
+        return t
+
+    def write(self, path: Path, t: torch.Tensor) -> Future:
+        """Write ``t``'s bytes to ``path`` (whole file, padded) asynchronously; the future holds ``t`` until done."""
+        self.bytes_written += t.numel() * t.element_size()
+        return self._writer.submit(self._write, path, t)
+
+    def read(self, path: Path, nbytes: int) -> Future:
+        """Read ``path`` into a fresh uint8 tensor of ``nbytes`` asynchronously; the future's result is it."""
+        self.bytes_read += nbytes
+        return self._reader.submit(self._read, path, torch.empty(nbytes, dtype=torch.uint8))
+
+    def read_into(self, path: Path, t: torch.Tensor) -> Future:
+        """Read ``path`` into the existing contiguous CPU tensor ``t`` asynchronously; the result is ``t``."""
+        self.bytes_read += t.numel() * t.element_size()
+        return self._reader.submit(self._read, path, t)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+
+@functools.cache
+def _probe(folder: str) -> str | None:
+    """None when an AioIO round trip of an unaligned tensor works in ``folder``, else the reason it does not."""
+    try:
+        io = AioIO()
+    except Exception as err:  # noqa: BLE001 - a probe: any failure means "use the thread pool"
+        return f"DeepSpeed's async_io op is unavailable ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+    try:
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".v17-aio-probe-") as d:
+            src = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: not a multiple of the alignment
+            io.write(Path(d) / "probe", src).result()
+            back = io.read_into(Path(d) / "probe", torch.empty_like(src)).result()
+            if not torch.equal(back, src):
+                return "DeepSpeed's async_io op read back different bytes than it wrote"
+    except Exception as err:  # noqa: BLE001
+        return f"DeepSpeed's async_io op failed in {folder} ({type(err).__name__}: {err}; O_DIRECT unsupported?)"
+    finally:
+        io.close()
+    return None
+
+
+def aio_backend_or_reason(folder: str | Path) -> tuple[AioIO | None, str]:
+    """An :class:`AioIO` for ``folder`` when DeepSpeed's op builds and works there, else ``(None, reason)``."""
+    reason = _probe(str(folder))
+    if reason is not None:
+        return None, reason
+    return AioIO(), "DeepSpeed's async_io op (libaio, O_DIRECT)"
