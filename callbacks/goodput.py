@@ -51,8 +51,11 @@ class GoodputMonitor(Callback):
     a torchrun restart (``TORCHELASTIC_RESTART_COUNT > 0``); ``resume`` overrides that. With ``mtbf_hours`` the end
     of fit also prints the Young/Daly expected goodput (Young 1974; Daly 2006, see
     :func:`~lightning_v17.planner.resilience.expected_goodput`) for the measured checkpoint interval, blocking
-    cost and restart time, next to the measured one. Llama 3 (Dubey et al. 2024, §3.3.4) reports more than 90%
-    effective training time with an interruption about every 3 hours on 16k GPUs: the scale this is for.
+    cost, restart time and the loop's own time between steps (``other_s``), next to the measured one; after
+    failures it also prints the prediction for the MTBF the run saw (wall time per failure), which
+    ``bench/goodput.py`` checks against a torchrun run with injected failures. Llama 3 (Dubey et al. 2024,
+    §3.3.4) reports more than 90% effective training time with an interruption about every 3 hours on 16k GPUs:
+    the scale this is for.
 
     Args:
         dirpath: where ``goodput.json`` lives; None: the ``dirpath`` of the trainer's first checkpoint callback
@@ -81,7 +84,6 @@ class GoodputMonitor(Callback):
         self._path: Path | None = None
         self._t0 = 0.0
         self._blocking_prev = 0.0
-        self._restarts_seen = 0
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _resolve_path(self, trainer: pl.Trainer) -> Path | None:
@@ -118,7 +120,6 @@ class GoodputMonitor(Callback):
             previous = json.loads(self._path.read_text())
         self.tracker = GoodputTracker()
         self.tracker.start_attempt(time.time(), previous=previous, checkpoint=self._ckpt_state)
-        self._restarts_seen = self.tracker.attempts - 1
         self._blocking_prev = self._blocking(trainer)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -149,22 +150,39 @@ class GoodputMonitor(Callback):
         predicted = self.predicted_goodput()
         if predicted is not None:
             lines.append(f"  Young/Daly expected goodput for MTBF {self.mtbf_hours} h: {100 * predicted:.1f}%")
+        if self.last.failures:  # the same model at the MTBF this run saw: wall time per failure
+            mtbf_s = self.last.wall_s / self.last.failures
+            observed = self.predicted_goodput(mtbf_s=mtbf_s)
+            if observed is not None:
+                lines.append(
+                    f"  Young/Daly expected goodput for the observed MTBF {mtbf_s:.0f} s ({self.last.failures} "
+                    f"failure(s)): {100 * observed:.1f}%, measured {100 * self.last.goodput:.1f}%"
+                )
         rank_zero_info("\n".join(lines))
 
-    def predicted_goodput(self) -> float | None:
-        """Young/Daly expected goodput for ``mtbf_hours`` and this run's measured interval, save and restart costs."""
+    def predicted_goodput(self, mtbf_s: float | None = None) -> float | None:
+        """Young/Daly expected goodput for this run's measured interval, save and restart costs and loop overhead.
+
+        Args:
+            mtbf_s: the job's mean time between failures, seconds; None: ``mtbf_hours`` (None if that is unset too).
+        """
         # useful_s and checkpoint_s cover every attempt of the run, so the save count must too (it used to be this
         # attempt's only, which stretched the interval by the number of attempts after a restart)
         saves = self.tracker.saves if self.tracker is not None else 0
-        if self.mtbf_hours is None or saves == 0 or self.last is None:
+        if mtbf_s is None and self.mtbf_hours is not None:
+            mtbf_s = self.mtbf_hours * 3600.0
+        if mtbf_s is None or saves == 0 or self.last is None:
             return None
-        b = self.last
-        restarts = max(1, self._restarts_seen)
+        inputs = self.last.model_inputs(saves=saves)
+        if inputs["interval_s"] <= 0:
+            return None
+        # overhead_s: the loop's own time between steps is in every interval's wall time but is not goodput
         return expected_goodput(
-            interval_s=max(b.useful_s / saves, 1e-9),
-            checkpoint_s=b.checkpoint_s / saves,
-            mtbf_s=self.mtbf_hours * 3600.0,
-            restart_s=b.restart_s / restarts if self._restarts_seen else 0.0,
+            interval_s=inputs["interval_s"],
+            overhead_s=inputs["overhead_s"],
+            checkpoint_s=inputs["checkpoint_s"],
+            mtbf_s=mtbf_s,
+            restart_s=inputs["restart_s"],
         )
 
     # -- checkpoint ---------------------------------------------------------------------------------------------

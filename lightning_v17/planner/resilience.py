@@ -68,29 +68,40 @@ def checkpoint_write_s(bytes_per_node: float, *, write_bytes_per_s: float) -> fl
 __all__ = ["checkpoint_write_s", "cluster_mtbf_s", "daly_interval_s", "expected_goodput", "young_interval_s"]
 
 
-def expected_goodput(*, interval_s: float, checkpoint_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+def expected_goodput(
+    *, interval_s: float, checkpoint_s: float, mtbf_s: float, restart_s: float = 0.0, overhead_s: float = 0.0
+) -> float:
     """Expected fraction of wall time spent on useful compute with periodic checkpoints and exponential failures.
 
     Daly 2006 ("A higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3): the
     wall-clock model whose minimum is its Eq. 37 interval, ``daly_interval_s``) gives, for solve time T_s, compute
     time τ between checkpoints, checkpoint cost δ, restart time R and exponential failures of mean M::
 
-        T_w = M · e^{R/M} · (e^{(τ+δ)/M} − 1) · T_s / τ        so        goodput = T_s / T_w
+        T_w = M · e^{R/M} · (e^{(τ+o+δ)/M} − 1) · T_s / τ        so        goodput = T_s / T_w
 
-    Its first-order expansion is Young 1974's (CACM 17(9)) waste δ/τ + (τ/2 + R)/M, whose minimum is the
+    with o = 0 in Daly's paper, where everything between two checkpoints is solve time. A training loop also spends
+    wall time between its steps that is not step time (data waits, logging, callbacks): o seconds per interval.
+    It lengthens each segment of Daly's renewal argument (a failure anywhere in it loses the segment's progress,
+    so it sits in the exponent) but is not goodput (so T_s / τ counts segments by τ alone). Without failures
+    (M → ∞) goodput is τ / (τ + o + δ).
+
+    Its first-order expansion is Young 1974's (CACM 17(9)) waste δ/τ + (τ/2 + R)/M (o = 0), whose minimum is the
     ``young_interval_s`` above.
 
     Args:
-        interval_s: τ, compute seconds between checkpoints.
+        interval_s: τ, useful compute seconds between checkpoints.
         checkpoint_s: δ, seconds the job is blocked per checkpoint.
         mtbf_s: M, mean wall seconds between failures of the job.
         restart_s: R, seconds from a failure to the first step of the restarted job.
+        overhead_s: o, wall seconds per interval that are neither useful compute nor checkpointing (the loop's
+            own time between steps, withheld steps).
     """
-    if not interval_s > 0 or not mtbf_s > 0 or checkpoint_s < 0 or restart_s < 0:
+    if not interval_s > 0 or not mtbf_s > 0 or checkpoint_s < 0 or restart_s < 0 or overhead_s < 0:
         raise ValueError(
-            f"interval_s={interval_s} and mtbf_s={mtbf_s} must be > 0; checkpoint_s={checkpoint_s} and "
-            f"restart_s={restart_s} must be >= 0 (seconds)"
+            f"interval_s={interval_s} and mtbf_s={mtbf_s} must be > 0; checkpoint_s={checkpoint_s}, "
+            f"restart_s={restart_s} and overhead_s={overhead_s} must be >= 0 (seconds)"
         )
     m = mtbf_s
-    wall_per_compute = m * math.exp(restart_s / m) * math.expm1((interval_s + checkpoint_s) / m) / interval_s
+    segment_s = interval_s + overhead_s + checkpoint_s
+    wall_per_compute = m * math.exp(restart_s / m) * math.expm1(segment_s / m) / interval_s
     return 1.0 / wall_per_compute

@@ -1,5 +1,6 @@
 """GoodputTracker on a synthetic timeline: injected failures every N steps (on average), a known checkpoint cost and
-restart time; the measured goodput is within 10% of the Young/Daly prediction for the same MTBF and checkpoint cost (printed)."""
+restart time; the measured goodput is within 10% of the Young/Daly prediction for the same MTBF and checkpoint cost
+(printed). The real-run counterpart is ``bench/goodput.py`` (``tests/dist/test_goodput_restart.py``)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,24 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_v17.engine.trackers.goodput import GoodputTracker
+from lightning_v17.engine.trackers.goodput import GoodputBreakdown, GoodputTracker
 from lightning_v17.planner.resilience import daly_interval_s, expected_goodput, young_interval_s
 
 
-def _simulate(*, work_steps: int, step_s: float, every: int, ckpt_s: float, restart_s: float, ttfs: Iterator[float]):
-    """A run of ``work_steps`` steps of ``step_s`` seconds with a checkpoint blocking ``ckpt_s`` after every
-    ``every``-th step. The job fails ``next(ttfs)`` seconds after the run starts and after each failure (a failure
-    may hit a step, a save, which is then never published, or the restart itself); it comes back ``restart_s`` later
+def _simulate(
+    *,
+    work_steps: int,
+    step_s: float,
+    every: int,
+    ckpt_s: float,
+    restart_s: float,
+    ttfs: Iterator[float],
+    gap_s: float = 0.0,
+):
+    """A run of ``work_steps`` steps of ``step_s`` seconds, each followed by ``gap_s`` seconds of the loop's own work
+    (not step time), with a checkpoint blocking ``ckpt_s`` after every ``every``-th step. The job fails
+    ``next(ttfs)`` seconds after the run starts and after each failure (a failure may hit a step, the loop's work
+    after it, a save, which is then never published, or the restart itself); it comes back ``restart_s`` later
     from the newest published checkpoint, exactly as the callback wires it: the previous attempt's ``progress()`` and
     the checkpoint's ``state_dict()``. Returns (breakdown, failures, exact redone seconds, executed steps, saves)."""
     t = 1000.0
@@ -43,6 +54,11 @@ def _simulate(*, work_steps: int, step_s: float, every: int, ckpt_s: float, rest
             executed += 1
             tracker.step_finished(step_s, now_s=t, step=step)
             progress = tracker.progress()
+            if gap_s:
+                if t + gap_s > next_fail:  # died between steps: this step completed but is lost all the same
+                    failed = True
+                    break
+                t += gap_s
             if step % every == 0:
                 if t + ckpt_s > next_fail:  # died while saving: this checkpoint never becomes complete
                     failed = True
@@ -140,3 +156,71 @@ def test_save_count_spans_attempts_so_the_interval_does_too():
     b.step_finished(1.0, now_s=27.0, step=8)
     b.add_checkpoint_blocking(0.5)
     assert (b.saves, b.checkpoint_s, b.useful_s) == (4, 2.0, 8.0)  # 8 useful seconds over 4 saves: 2 s apart
+
+
+def test_expected_goodput_overhead_term_hand_computed():
+    """o, the loop's wall time per interval that is neither step time nor a save, lengthens Daly's segment (so a
+    failure loses it too) but is not goodput. Hand-computed: without failures goodput is τ/(τ+o+δ) = 100/115;
+    with τ=100, o=10, δ=5, R=50, M=1000 s, 1/g = M·e^{R/M}·(e^{(τ+o+δ)/M} − 1)/τ = 10·e^{0.05}·(e^{0.115} − 1)
+    = 10 · 1.0512711 · 0.1218734 = 1.2812190 (its first-order part: 1.15·(1 + 0.05 + 0.0575) = 1.2736)."""
+    assert expected_goodput(interval_s=100.0, overhead_s=10.0, checkpoint_s=5.0, mtbf_s=1e12) == pytest.approx(
+        100.0 / 115.0, rel=1e-6
+    )
+    g = expected_goodput(interval_s=100.0, overhead_s=10.0, checkpoint_s=5.0, mtbf_s=1000.0, restart_s=50.0)
+    assert 1.0 / g == pytest.approx(1.2812190, rel=1e-6)
+    with pytest.raises(ValueError, match="overhead_s"):
+        expected_goodput(interval_s=1.0, checkpoint_s=0.0, mtbf_s=10.0, overhead_s=-1.0)
+
+
+def test_overhead_between_steps_is_predicted_on_a_synthetic_timeline():
+    """Exponential failures (mean 100 steps), 0.15 s of loop work after every 1 s step: the timeline's goodput matches
+    the prediction with the overhead term within 3%, and the prediction without it misses by more than 10%."""
+    mtbf, step_s, gap_s, every, ckpt_s, restart_s = 100.0, 1.0, 0.15, 10, 0.5, 5.0
+    rng = random.Random(13)
+    ttfs = iter(lambda: rng.expovariate(1.0 / mtbf), None)
+    b, failures, _, _, saves = _simulate(
+        work_steps=30000, step_s=step_s, every=every, ckpt_s=ckpt_s, restart_s=restart_s, ttfs=ttfs, gap_s=gap_s
+    )
+    inputs = b.model_inputs(saves=saves)
+    assert inputs["interval_s"] == pytest.approx(every * step_s) and inputs["checkpoint_s"] == pytest.approx(ckpt_s)
+    common = {"interval_s": every * step_s, "checkpoint_s": ckpt_s, "mtbf_s": mtbf, "restart_s": restart_s}
+    with_o = expected_goodput(**common, overhead_s=every * gap_s)
+    without_o = expected_goodput(**common)
+    print(f"\n{failures} failures: measured {b.goodput:.4f}, predicted {with_o:.4f} (without overhead {without_o:.4f})")
+    assert failures >= 200
+    assert abs(b.goodput / with_o - 1.0) <= 0.03
+    assert abs(b.goodput / without_o - 1.0) > 0.10
+
+
+def test_model_inputs_per_save_and_per_failure():
+    """Hand-computed: 10 saves and 2 failures (3 attempts) over a 200 s run."""
+    b = GoodputBreakdown(wall_s=200.0, useful_s=150.0, restart_s=20.0, redo_s=10.0, checkpoint_s=5.0, bad_step_s=3.0,
+                         other_s=12.0, goodput=0.75, attempts=3, step=100)  # fmt: skip
+    assert b.failures == 2
+    assert b.model_inputs(saves=10) == pytest.approx(
+        {"interval_s": 15.0, "overhead_s": 1.5, "checkpoint_s": 0.5, "restart_s": 10.0, "mtbf_s": 100.0}
+    )
+    one = GoodputBreakdown(**{**b.__dict__, "attempts": 1}).model_inputs(saves=10)
+    assert one["restart_s"] == 0.0 and one["mtbf_s"] == math.inf
+    with pytest.raises(ValueError, match="saves"):
+        b.model_inputs(saves=0)
+
+
+def test_monitor_prediction_counts_the_loop_overhead():
+    """GoodputMonitor's printed prediction is the planner's formula on its measured inputs, overhead included."""
+    from lightning_v17.callbacks import GoodputMonitor
+
+    mon = GoodputMonitor(mtbf_hours=0.5)
+    b, failures, _, _, saves = _simulate(
+        work_steps=200, step_s=1.0, every=10, ckpt_s=0.5, restart_s=4.0, ttfs=itertools.repeat(60.0), gap_s=0.2
+    )
+    mon.last, mon.tracker.saves = b, saves
+    assert failures >= 3 and b.other_s > 0
+    want = expected_goodput(interval_s=b.useful_s / saves, overhead_s=b.other_s / saves, checkpoint_s=0.5,
+                            mtbf_s=1800.0, restart_s=b.restart_s / failures)  # fmt: skip
+    assert mon.predicted_goodput() == pytest.approx(want, rel=1e-12)
+    observed = b.model_inputs(saves=saves)  # the MTBF the timeline saw: wall seconds per failure
+    assert mon.predicted_goodput(mtbf_s=observed["mtbf_s"]) == pytest.approx(expected_goodput(**observed), rel=1e-12)
+    assert GoodputMonitor().predicted_goodput() is None  # neither mtbf_hours nor mtbf_s
+    assert mon.predicted_goodput() < expected_goodput(interval_s=b.useful_s / saves, checkpoint_s=0.5, mtbf_s=1800.0,
+                                                      restart_s=b.restart_s / failures)  # fmt: skip

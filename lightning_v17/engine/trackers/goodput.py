@@ -16,8 +16,9 @@ it exactly, and carries its counters across processes as two small dicts: ``prog
 next to the checkpoints after every step) and ``state_dict()`` (saved *inside* each checkpoint: the useful time at
 that checkpoint, which tells the next attempt how much completed work it must redo).
 
-:func:`lightning_v17.planner.resilience.expected_goodput` is the model the planner's checkpoint intervals come from (Young 1974; Daly 2006), to put the
-measured number next to the prediction.
+:func:`lightning_v17.planner.resilience.expected_goodput` is the model the planner's checkpoint intervals come from
+(Young 1974; Daly 2006), to put the measured number next to the prediction; :meth:`GoodputBreakdown.model_inputs`
+gives its inputs as measured.
 """
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ class GoodputBreakdown:
     goodput: float
     attempts: int
     step: int
+
+    @property
+    def failures(self) -> int:
+        """Failures the run recovered from: every attempt after the first."""
+        return max(0, self.attempts - 1)
+
+    def model_inputs(self, *, saves: int) -> dict[str, float]:
+        """The per-interval inputs of :func:`~lightning_v17.planner.resilience.expected_goodput` measured by this
+        breakdown, given the run's ``saves`` (its checkpoints that blocked the loop, over all attempts).
+
+        ``interval_s`` (τ): useful seconds per save; ``overhead_s`` (o): the loop's other seconds and withheld steps
+        per save; ``checkpoint_s`` (δ): blocking seconds per save; ``restart_s`` (R): restart seconds per failure
+        (0 without failures); ``mtbf_s``: wall seconds per failure, the observed MTBF (``inf`` without failures).
+        """
+        if saves < 1:
+            raise ValueError(f"saves={saves} must be >= 1: the interval is useful time per save")
+        n = self.failures
+        return {
+            "interval_s": self.useful_s / saves,
+            "overhead_s": (self.other_s + self.bad_step_s) / saves,
+            "checkpoint_s": self.checkpoint_s / saves,
+            "restart_s": self.restart_s / n if n else 0.0,
+            "mtbf_s": self.wall_s / n if n else float("inf"),
+        }
 
     def metrics(self, prefix: str = "goodput/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in asdict(self).items()}
