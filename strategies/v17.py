@@ -127,9 +127,9 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             over the dp and tp axes; lightning-v17's own, since torchao 0.18 removed it, pytorch/ao#1680) or None
             (off). A Linear is converted when it sits inside a block and both its dims divide 16 (16 x tp under
             tensor parallelism); the others are listed in one warning. Embeddings, the output head and norms stay
-            in high precision, and so do the master weights and the optimizer. With tp > 1 only "tensorwise"
-            (torchao's float8 tensor-parallel styles). At zero_stage=3 see ``fp8_all_gather``. The DeepSpeed config
-            has no FP8 section.
+            in high precision, and so do the master weights and the optimizer. With tp > 1 "tensorwise"
+            (torchao's float8 tensor-parallel styles) or "delayed" (plain styles, tp-synced histories). At
+            zero_stage=3 see ``fp8_all_gather``. The DeepSpeed config has no FP8 section.
         fp8_backend: "torchao" (any device, CPU included), "te" (NVIDIA Transformer Engine: a GPU of compute
             capability >= 8.9 with transformer-engine installed; its path is not implemented yet, so it raises a
             clear error) or "auto" (torchao in this version; Transformer Engine where it can run once that path

@@ -29,9 +29,11 @@ Sharding:
   quantizes its shard exactly as one process quantizes the whole tensor. On gloo the float8 bytes travel as a
   ``uint8`` view (gloo has no float8 types: "Invalid scalar type"; ``engine/collectives.all_gather``). ``rowwise``
   gathers in its own dtype (torchao quantizes a rowwise weight along a different dim for each GEMM).
-* tp > 1 (``tensorwise`` only): the conversion runs before TP and the converted Linears get torchao's
-  ``Float8ColwiseParallel``/``Float8RowwiseParallel`` in place of the plan's plain colwise/rowwise styles
-  (:func:`float8_tp_plan`); the dims rule becomes "divisible by 16 x tp".
+* tp > 1 (``tensorwise`` and ``delayed``; ``rowwise`` is refused): the conversion runs before TP. Under
+  ``tensorwise`` the converted Linears get torchao's ``Float8ColwiseParallel``/``Float8RowwiseParallel`` in place of
+  the plan's plain colwise/rowwise styles (:func:`float8_tp_plan`); under ``delayed`` they keep the plain styles and
+  run their GEMMs on the local shards with scales from tp-synced amax histories (``engine/fp8_delayed.py``). The
+  dims rule becomes "divisible by 16 x tp".
 * pp > 1: the split runs first, so each stage converts its own blocks.
 """
 
@@ -109,7 +111,7 @@ def check_fp8_composition(policy: FP8Policy | None, *, tp: int, zero_stage: int 
     """The FP8 combinations refused before any process touches the model.
 
     Raises:
-        V17ConfigError: ``rowwise``/``delayed`` with tp > 1 (torchao's float8 tensor-parallel styles are tensorwise);
+        V17ConfigError: ``rowwise`` with tp > 1 (torchao's float8 tensor-parallel styles are tensorwise);
             ``fp8_all_gather=True`` below zero_stage=3 (only stage 3 all-gathers weights).
     """
     if policy is not None and policy.all_gather and zero_stage != 3:
@@ -117,16 +119,14 @@ def check_fp8_composition(policy: FP8Policy | None, *, tp: int, zero_stage: int 
             f"fp8_all_gather=True applies to zero_stage=3, which all-gathers the weights (got zero_stage="
             f"{zero_stage}, where every rank keeps whole weights); set zero_stage=3 or drop fp8_all_gather"
         )
-    if policy is not None and tp > 1 and policy.recipe == FP8Recipe.DELAYED:
+    if policy is not None and tp > 1 and policy.recipe == FP8Recipe.ROWWISE:
+        # rowwise scales one row of each GEMM operand, and torchao quantizes a weight along a different dim for each
+        # GEMM: a tp shard holds whole rows of one and parts of the other, so it has no local cast equal to one
+        # process's; torchao's float8 TP styles cast tensorwise only
         raise V17ConfigError(
-            f"fp8='delayed' with tp={tp} is not supported yet (its layers have no tensor-parallel styles); use "
-            "fp8='tensorwise' with tp > 1, or fp8='delayed' with tp=1"
-        )
-    if policy is not None and tp > 1 and policy.recipe != FP8Recipe.TENSORWISE:
-        raise V17ConfigError(
-            f"fp8={policy.recipe.value!r} with tp={tp} is not supported: torchao's float8 tensor-parallel styles "
-            "(Float8ColwiseParallel/Float8RowwiseParallel) cast with tensorwise scales; use fp8='tensorwise' with "
-            "tp > 1, or tp=1"
+            f"fp8='rowwise' with tp={tp} is not supported: torchao's float8 tensor-parallel styles "
+            "(Float8ColwiseParallel/Float8RowwiseParallel) cast with tensorwise scales, and a tp-sharded weight cannot "
+            "be scaled per row for both GEMMs; use fp8='tensorwise' or fp8='delayed' with tp > 1, or tp=1"
         )
 
 
@@ -336,15 +336,24 @@ def apply_fp8(
     return sel.convert
 
 
-def _float8_style(fqn: str, style: Any) -> Any:
+def _float8_style(fqn: str, style: Any, *, delayed: bool = False) -> Any:
     """torchao's float8 twin of a plain ``ColwiseParallel``/``RowwiseParallel`` (same layouts), for a converted
     Linear. Its input is cast to float8 as a DTensor (one amax over the whole replicated input, as one process
     computes it), its weight shard with the all-reduced amax of the whole weight, and the gradient of its output
-    likewise (``NoopFwToFloat8BwDynamic``), so every rank quantizes as one process would."""
+    likewise (``NoopFwToFloat8BwDynamic``), so every rank quantizes as one process would. ``delayed``: the plain
+    style itself, checked (the layer scales from tp-synced histories, no per-cast reduction)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
     kind = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}.get(type(style))
+    if delayed:  # the plain style: the delayed Linear casts its local shards itself (engine/fp8_delayed.py)
+        if kind is None:
+            raise V17ConfigError(
+                f"fp8='delayed' with tensor parallelism: {fqn!r} is converted to float8 but its tensor-parallel "
+                f"style is {type(style).__name__}; the delayed float8 Linear runs under the plain 'colwise'/'rowwise' "
+                f"styles only; give it one of those, or keep it in high precision with fp8_skip=[{fqn!r}]"
+            )
+        return style
     if kind is None:
         if isinstance(style, (Float8ColwiseParallel, Float8RowwiseParallel)):
             return style
@@ -363,7 +372,7 @@ def _float8_style(fqn: str, style: Any) -> Any:
 def float8_tp_plan(module: nn.Module, plan: Any, *, layers: Sequence[str]) -> Any:
     """The tensor-parallel plan with torchao's float8 styles for the converted Linears ``layers`` (torchao
     ``float8_tensor_parallel``; torchtitan's ``apply_tp`` with float8): called after :func:`apply_fp8`, before
-    ``apply_tensor_parallel``.
+    ``apply_tensor_parallel``. Delayed-scaling Linears keep their plain colwise/rowwise styles (checked).
 
     Args:
         module: the converted model (plan keys are relative to it).
@@ -389,5 +398,8 @@ def float8_tp_plan(module: nn.Module, plan: Any, *, layers: Sequence[str]) -> An
         )
     chosen = set(layers)
     expanded = expand_plan(module, styles)
-    swapped = {f: _float8_style(f, st) if f in chosen else st for f, st in expanded.items()}
+    from lightning_v17.engine.fp8_delayed import DelayedFloat8Linear
+
+    delayed = {n for n, m in module.named_modules() if isinstance(m, DelayedFloat8Linear)}
+    swapped = {f: _float8_style(f, st, delayed=f in delayed) if f in chosen else st for f, st in expanded.items()}
     return dataclasses.replace(plan, styles=swapped) if styles is not plan else swapped

@@ -23,6 +23,15 @@ collective per axis for the whole model, then pushed into every history and the 
 pipeline stage therefore holds bitwise-identical histories and scales (TE's ``reduce_amax=True`` with an
 ``fp8_group``), and a data-parallel run quantizes exactly as one process that runs each rank's rows as a micro-batch.
 
+Tensor parallelism (tp > 1, plain ``ColwiseParallel``/``RowwiseParallel`` styles from the plan): the weight is a
+tp-sharded DTensor and the input a DTensor (replicated for colwise, sharded on its last dim for rowwise).
+:meth:`DelayedFloat8Linear.forward` runs the same three float8 GEMMs on the local shards and hands the output back
+as a DTensor (colwise: sharded on its last dim; rowwise: ``Partial``, summed by the style's output redistribution).
+No cast needs a reduction: the scales are the same on every tp rank, because they come from histories of amaxes
+all-reduced with MAX over tp, so a shard's local amax (of a weight shard, of a rowwise input shard, of a colwise
+output-gradient shard) becomes the whole tensor's amax in the history, as Transformer Engine does over its amax
+reduction group. torchao's float8 TP styles are not used here: they cast with dynamic (tensorwise) scales.
+
 The history and scales are module buffers: they go into every checkpoint by FQN, and reshard on load (they are
 replicated, so a dp=2 checkpoint loads at dp=1 unchanged).
 """
@@ -35,6 +44,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from lightning_v17.config import V17ConfigError
 
 __all__ = ["DEFAULT_AMAX_HISTORY_LEN", "DelayedFloat8Linear", "convert_to_delayed", "update_scales"]
 
@@ -51,6 +63,12 @@ def _to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     """Saturating cast of ``x * scale`` to ``dtype`` (row-major, contiguous)."""
     fmax = torch.finfo(dtype).max
     return (x.float() * scale).clamp(-fmax, fmax).to(dtype).contiguous()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A buffer's own storage: TP's ``distribute_module`` makes every buffer a ``Replicate`` DTensor; its local
+    tensor is a view, so in-place updates of it update the buffer."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -101,7 +119,8 @@ class DelayedFloat8Linear(nn.Linear):
     ZeRO and checkpoints see the same parameters).
 
     Buffers: ``amax_history`` ``[3, history_len]`` fp32 (rows: input, weight, grad_output; column 0 newest),
-    ``scale`` ``[3]`` fp32 (persistent); ``amax_pending`` ``[3]`` fp32 (not persistent).
+    ``scale`` ``[3]`` fp32 (persistent); ``amax_pending`` ``[3]`` fp32 (not persistent). Under tp > 1 they are
+    ``Replicate`` DTensors on the tp mesh (TP's ``distribute_module`` makes them so), equal on every tp rank.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, history_len: int = 16,
@@ -126,9 +145,9 @@ class DelayedFloat8Linear(nn.Linear):
     def reset_fp8_state(self) -> None:
         """Fresh history (zeros), scales 1.0 and no pending amax (after a meta-device model is materialized)."""
         with torch.no_grad():
-            self.amax_history.zero_()
-            self.scale.fill_(1.0)
-            self.amax_pending.zero_()
+            _local(self.amax_history).zero_()
+            _local(self.scale).fill_(1.0)
+            _local(self.amax_pending).zero_()
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -136,7 +155,40 @@ class DelayedFloat8Linear(nn.Linear):
             self.reset_fp8_state()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):
+            return self._forward_tp(x)
         out = _DelayedScaledMM.apply(x, self.weight, self.scale, self.amax_pending)
+        return out + self.bias if self.bias is not None else out
+
+    def _forward_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """The tensor-parallel forward (module doc): float8 GEMMs on the local shards, the output a DTensor."""
+        w = self.weight
+        mesh = w.device_mesh
+        if mesh.ndim != 1 or not isinstance(x, DTensor) or x.device_mesh != mesh:
+            raise V17ConfigError(
+                "fp8='delayed' with tp > 1: a converted Linear's weight is a DTensor on a "
+                f"{mesh.ndim}-D mesh and its input a {'DTensor' if isinstance(x, DTensor) else 'plain tensor'}; "
+                "only the plain 'colwise'/'rowwise' tensor-parallel styles (1-D tp mesh) are supported; give the "
+                "layer one of those or keep it in high precision with fp8_skip"
+            )
+        last = x.ndim - 1
+        wp, xp = w.placements[0], x.placements[0]
+        x_on_last = xp.is_shard() and xp.dim % x.ndim == last
+        if wp.is_shard(0) and xp.is_replicate():  # colwise: out[..., shard] = x @ W[shard].T; grad x partial
+            out_placement, x_grad = Shard(last), Partial()
+        elif wp.is_shard(1) and x_on_last:  # rowwise: out = sum over tp of x[..., shard] @ W[:, shard].T
+            out_placement, x_grad = Partial(), Shard(last)
+        elif wp.is_replicate() and xp.is_replicate():
+            out_placement, x_grad = Replicate(), Replicate()
+        else:
+            raise V17ConfigError(
+                f"fp8='delayed' with tp > 1: unsupported layout (weight {wp}, input {xp}); the delayed float8 "
+                "Linear runs with the plain 'colwise' (weight Shard(0), input Replicate) or 'rowwise' (weight "
+                "Shard(1), input Shard(-1)) styles; use one of them, or fp8_skip this layer"
+            )
+        x_local = x.to_local(grad_placements=[x_grad])
+        out = _DelayedScaledMM.apply(x_local, w.to_local(), _local(self.scale), _local(self.amax_pending))
+        out = DTensor.from_local(out, mesh, [out_placement], run_check=False)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
@@ -170,14 +222,14 @@ def update_scales(module: nn.Module, *, groups: Sequence[Any] = ()) -> None:
     layers = delayed_layers(module)
     if not layers:
         return
-    pending = torch.stack([m.amax_pending for m in layers])  # [layers, 3]: one collective per axis for all layers
+    pending = torch.stack([_local(m.amax_pending) for m in layers])  # [layers, 3]: one collective per axis
     for group in groups:
         dist.all_reduce(pending, op=dist.ReduceOp.MAX, group=group)
     fmax = torch.tensor([torch.finfo(d).max for d in _ROLE_DTYPES], dtype=torch.float32, device=pending.device)
     for m, amax in zip(layers, pending, strict=True):
-        hist = m.amax_history
+        hist, scale = _local(m.amax_history), _local(m.scale)
         hist.copy_(torch.roll(hist, 1, dims=1))
         hist[:, 0] = amax.to(hist.device)
         top = hist.max(dim=1).values
-        m.scale.copy_(torch.where(top > 0, fmax.to(top.device) / top, m.scale))
-        m.amax_pending.zero_()
+        scale.copy_(torch.where(top > 0, fmax.to(top.device) / top, scale))
+        _local(m.amax_pending).zero_()

@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, ZeroPolicy
+from lightning_v17.config import FP8Recipe, OptimizerKind, Precision, Recompute, Schedule, ZeroPolicy
 from lightning_v17.planner.model import Arch, ModelShape
 
 #: Activation element size in bytes behind Korthikanti 2022 Table 2 (16-bit activations, 1-byte dropout masks).
 ACT_ELEMENT_BYTES_16BIT = 2
 #: Bytes of an fp32 element: RMSNorm statistics, RoPE tables and the attention log-sum-exp are fp32 in any precision.
 FP32_BYTES = 4
+#: Linears of a llama block that FP8 converts: wq, wk, wv, wo, w1, w2, w3 (``engine/fp8.py``'s layer rule).
+FP8_LINEARS_PER_LLAMA_BLOCK = 7
 
 
 def param_bytes_per_param(precision: Precision) -> float:
@@ -295,6 +297,7 @@ def activation_bytes_per_layer_of(
     recompute: Recompute = Recompute.NONE,
     cp: int = 1,
     element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
+    fp8: FP8Recipe | str | None = None,
 ) -> int:
     """Activation bytes per block for ``shape``, per rank, for one micro-batch: the count that fits its family.
 
@@ -302,12 +305,92 @@ def activation_bytes_per_layer_of(
     by term for RMSNorm, RoPE, GQA, fused attention and SwiGLU, and held against a run. ``gpt``: Korthikanti 2022
     Table 2 as published (:func:`activation_bytes_per_layer`): the block it was derived for (LayerNorm, MHA with
     materialized a·s² scores and dropout, 4h GeLU MLP), so the paper's rows are reproduced as they are.
+
+    ``fp8`` (the strategy's ``fp8`` recipe, None: off) adds :func:`fp8_activation_delta_bytes_per_layer` to the
+    llama count (``element_bytes`` is then the precision outside the float8 GEMMs). For ``gpt`` shapes only
+    ``tensorwise``/``rowwise`` are counted (their delta is 0); ``delayed`` raises ``ValueError``: its count is derived
+    for the llama block's Linears.
     """
     kwargs = {"seq": seq, "micro_batch": micro_batch, "hidden": shape.hidden, "heads": shape.heads, "tp": tp,
               "sp": sp, "recompute": recompute, "cp": cp, "element_bytes": element_bytes}
+    recipe = None if fp8 is None else FP8Recipe(fp8)
     if Arch.parse(shape.arch) == Arch.LLAMA:
-        return llama_activation_bytes_per_layer(kv_heads=shape.kv_heads, ffn=shape.ffn, **kwargs)
+        base = llama_activation_bytes_per_layer(kv_heads=shape.kv_heads, ffn=shape.ffn, **kwargs)
+        if recipe is None:
+            return base
+        return base + fp8_activation_delta_bytes_per_layer(
+            recipe, seq=seq, micro_batch=micro_batch, hidden=shape.hidden, heads=shape.heads,
+            kv_heads=shape.kv_heads, ffn=shape.ffn, tp=tp, recompute=recompute, cp=cp, element_bytes=element_bytes,
+        )  # fmt: skip
+    if recipe == FP8Recipe.DELAYED:
+        raise ValueError(
+            "fp8='delayed' activation bytes are derived for the llama block (RMSNorm, GQA, SwiGLU Linears); this "
+            f"shape's arch is {shape.arch!r}: plan it without fp8 or as a llama shape"
+        )
     return activation_bytes_per_layer(**kwargs)
+
+
+def fp8_activation_delta_bytes_per_layer(
+    recipe: FP8Recipe | str,
+    *,
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    tp: int = 1,
+    recompute: Recompute = Recompute.NONE,
+    cp: int = 1,
+    element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
+) -> int:
+    """What FP8 training changes in one llama block's saved activations, per rank, per micro-batch (may be < 0).
+
+    Sources: torchao 0.18 ``float8/float8_linear.py`` (``matmul_with_hp_or_float8_args.forward`` saves
+    ``input_hp`` and ``weight_hp_t``, the high-precision tensors, and casts them again in backward) and our
+    ``engine/fp8_delayed.py`` (``_DelayedScaledMM`` saves the float8 casts ``x8`` and ``w8``, as Transformer
+    Engine's ``Linear`` saves its fp8 input and weight; Micikevicius 2022 §4). With h = hidden, kv =
+    kv_heads·head_dim, f = ffn, e = ``element_bytes``, t = tp, per token:
+
+    * ``tensorwise``, ``rowwise``: 0. The saved tensors are the ones a plain Linear saves (the casts are transient);
+      at tp > 1 torchao's float8 styles hand the colwise Linears an input already cast to float8, not counted here.
+    * ``delayed``, recompute ``none``: each of the 7 converted Linears keeps a 1-byte copy of its input: the
+      attention-norm output for wq, wk, wv (3h), the mlp-norm output for w1, w3 (2h), the SDPA output for wo (h/t)
+      and the SwiGLU product for w2 (f/t), 5h + (h + f)/t; the high-precision tensors whose only consumers were
+      these Linears are freed: the two norm outputs (2·e·h) and the SwiGLU product (e·f/t). The SDPA output stays
+      (the attention kernel saves it for its own backward). Per block, not per token: a 1-byte copy of every
+      converted weight (w8), (h·(2h + 2kv) + 3h·f)/t bytes, and each Linear's three fp32 scales of that step (the
+      backward uses them even if the buffer is updated meanwhile), 7·12 bytes.
+    * ``delayed`` with recompute ``selective`` or ``full``: 0 (measured: 168 B of per-layer scale copies). Full
+      recompute keeps the block input only; selective keeps the matmul outputs and reruns the float8 casts.
+
+    Held against a run at tp = 1 (fp32 and bf16, recompute none/selective/full) by ``tests/unit/test_fp8_planner.py``
+    to the byte. The ``/t`` terms follow the colwise/rowwise plan (wo and w2 row-parallel) and are not measured.
+
+    Args:
+        recipe: the ``fp8`` recipe.
+        seq: sequence length s (tokens per sample).
+        micro_batch: micro-batch size b (samples).
+        hidden: h.
+        heads: query heads a.
+        kv_heads: key/value heads (GQA).
+        ffn: SwiGLU inner width f.
+        tp: tensor-parallel size t.
+        recompute: none, selective or full.
+        cp: context-parallel size (tokens are per rank, s/cp).
+        element_bytes: bytes per element outside the float8 GEMMs (2 for 16-bit training, 4 for fp32).
+    """
+    recipe = FP8Recipe(recipe)
+    recompute = Recompute.parse(recompute, "recompute")
+    if recipe != FP8Recipe.DELAYED or recompute != Recompute.NONE:
+        return 0
+    e, kv = element_bytes, kv_heads * (hidden // heads)
+    tokens = (seq / cp) * micro_batch
+    copies = 5 * hidden + (hidden + ffn) / tp  # 1-byte float8 inputs of the 7 Linears
+    freed = 2 * e * hidden + e * ffn / tp  # the norm outputs and the SwiGLU product, no longer saved
+    weights = (hidden * (2 * hidden + 2 * kv) + 3 * hidden * ffn) / tp  # w8: 1 byte per converted weight element
+    scales = FP8_LINEARS_PER_LLAMA_BLOCK * 3 * FP32_BYTES  # input, weight, grad_output scales saved per Linear
+    return math.ceil(tokens * (copies - freed) + weights + scales)
 
 
 def microbatches_in_flight(*, schedule: Schedule, pp: int, microbatches: int) -> int:
@@ -357,7 +440,13 @@ def activation_bytes_first_stage(
 
 
 def zero3_gather_bytes(
-    largest_unit_params: int, *, tp: int = 1, param_bytes: float = 2.0, grad_bytes: float = 2.0, prefetch: int = 1
+    largest_unit_params: int,
+    *,
+    tp: int = 1,
+    param_bytes: float = 2.0,
+    grad_bytes: float = 2.0,
+    prefetch: int = 1,
+    float8_params: int = 0,
 ) -> int:
     """Temporary bytes of ZeRO-3/FSDP: the all-gathered largest unit, plus prefetched units, plus its full grad.
 
@@ -365,9 +454,14 @@ def zero3_gather_bytes(
     and §5.8 ("full param (AG 직후): P_i ← temporary"); FSDP2 prefetches one unit ahead by default, so
     (1 + prefetch) units are gathered at once. In backward the unit's unsharded gradient exists until its
     reduce-scatter. Under TP the gathered unit is the rank's TP shard, hence / tp.
+
+    ``float8_params``: parameters of that unit gathered in float8 (FP8 ``tensorwise`` with ``fp8_all_gather``, the
+    converted Linears' weights: torchao's ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` sends and
+    receives 1 byte per element); their gradients stay ``grad_bytes``.
     """
     unit = largest_unit_params / tp
-    return math.ceil(unit * param_bytes * (1 + prefetch) + unit * grad_bytes)
+    gathered = (unit - float8_params / tp) * param_bytes + float8_params / tp
+    return math.ceil(gathered * (1 + prefetch) + unit * grad_bytes)
 
 
 def grad_bucket_bytes(*, zero_stage: int, bucket_mb: float = ZeroPolicy.bucket_mb) -> int:
@@ -394,6 +488,7 @@ __all__ = [
     "activation_bytes_first_stage",
     "activation_bytes_per_layer",
     "activation_bytes_per_layer_of",
+    "fp8_activation_delta_bytes_per_layer",
     "grad_bucket_bytes",
     "grad_bytes_per_param",
     "llama_activation_bytes_per_layer",

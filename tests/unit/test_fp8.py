@@ -8,7 +8,7 @@
   Linear per step (``output``, ``grad_input``, ``grad_weight``; the autograd function
   ``matmul_with_hp_or_float8_args`` in ``float8_linear.py``) for both recipes, even when the input needs no gradient
   (checked below); full recompute reruns the forward (4), selective saves the float8 GEMMs' outputs (3).
-* Errors name the option and the fix: ``fp8_backend='te'`` on CPU, ``fp8='delayed'``, fp8 with tp > 1.
+* Errors name the option and the fix: ``fp8_backend='te'`` on CPU, ``fp8='delayed'``, ``fp8='rowwise'`` with tp > 1.
 """
 
 from __future__ import annotations
@@ -236,13 +236,13 @@ def test_fp8_options_all_gather_and_history_len_parse_or_are_refused_with_the_fi
         _strategy(fp8="delayed", fp8_amax_history_len=0)
 
 
-def test_fp8_with_tensor_parallel_only_tensorwise_and_the_dims_rule_scales_with_tp():
+def test_fp8_with_tensor_parallel_tensorwise_and_delayed_and_the_dims_rule_scales_with_tp():
     _strategy(fp8="tensorwise", tp=2)  # torchao's float8 TP styles
-    for recipe in ("rowwise", "delayed"):
-        with pytest.raises(V17ConfigError) as err:
-            _strategy(fp8=recipe, tp=2)
-        msg = str(err.value)
-        assert f"fp8={recipe!r} with tp=2 is not supported" in msg and "fp8='tensorwise' with tp > 1" in msg
+    _strategy(fp8="delayed", tp=2)  # plain styles, scales from tp-synced histories (tests/dist/test_fp8_delayed_tp.py)
+    with pytest.raises(V17ConfigError) as err:
+        _strategy(fp8="rowwise", tp=2)
+    msg = str(err.value)
+    assert "fp8='rowwise' with tp=2 is not supported" in msg and "fp8='delayed' with tp > 1" in msg
     _strategy(fp8="tensorwise", tp=1, pp=2, zero_stage=1)  # pp is fine: each stage converts its own blocks
     model = _llama()  # hidden 128, kv out 64, ffn 384: every dim divides 16 x 2 = 32, not 16 x 8 = 128
     assert len(select_fp8_linears(model, units=find_wrap_units(model), tp=2).convert) == 14

@@ -110,3 +110,23 @@ def test_two_forwards_before_their_backwards_and_a_saturating_cast():
     out_a.sum().backward()
     assert torch.isfinite(out_b).all() and torch.isfinite(b.grad).all() and torch.isfinite(layer.weight.grad).all()
     assert float(layer.amax_pending[0]) == float(b.detach().abs().max())  # the max over both micro-batches
+
+
+def test_delayed_keeps_the_plain_tp_styles_and_refuses_others():
+    """At tp > 1 a delayed Linear runs its GEMMs on the local shards under the plain colwise/rowwise styles
+    (``tests/dist/test_fp8_delayed_tp.py``): ``float8_tp_plan`` keeps those (no torchao float8 style, which would cast
+    with dynamic scales) and refuses another style for a converted Linear, naming it and the fix."""
+    import pytest
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_v17.config import V17ConfigError
+    from lightning_v17.engine.fp8 import float8_tp_plan
+
+    model = _llama(layers=1)
+    layers = apply_fp8(model, policy=FP8Policy("delayed"), units=find_wrap_units(model), device="cpu")
+    styles = {"layers.*.attention.wq": "colwise", "layers.*.attention.wo": "rowwise"}
+    plan = float8_tp_plan(model, styles, layers=layers)
+    assert [type(s) for s in plan.values()] == [ColwiseParallel, RowwiseParallel]
+    with pytest.raises(V17ConfigError, match=r"fp8='delayed' with tensor parallelism: 'layers.0.attention.wq' .* "
+                                             r"style is _ReplicateParallel.*fp8_skip=\['layers.0.attention.wq'\]"):
+        float8_tp_plan(model, {"layers.0.attention.wq": "replicate"}, layers=layers)
