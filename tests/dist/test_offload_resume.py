@@ -46,9 +46,15 @@ def _run(rank: int, world: int, root: str, phase: str, params: str = "none") -> 
                 seen.setdefault("param_resident", []).append(po.resident_bytes())
             seen["own_bytes"].append(sum(v._local_tensor.numel() for st in opt.state.values() for v in st.values()
                                          if hasattr(v, "_local_tensor") and v.dim() > 0))  # fmt: skip
-            if phase == "first" and trainer.global_rank == 1 and trainer.global_step == KILL_AFTER:
-                (Path(root) / "killed").write_text(json.dumps(sorted(os.listdir(nvme))))
-                os.kill(os.getpid(), signal.SIGKILL)
+            if phase == "first" and trainer.global_step == KILL_AFTER:
+                # The step-8 save is published before the kill, whatever the disk's speed: its background write may
+                # outlast three tiny steps (start() returns after staging), and a kill before it is published
+                # rightly resumes from step 4. Both ranks take part (publication is collective).
+                if cb._saver.in_flight:
+                    cb._record(cb._saver.wait(), trainer, pl_module, log_metrics=False)
+                if trainer.global_rank == 1:
+                    (Path(root) / "killed").write_text(json.dumps(sorted(os.listdir(nvme))))
+                    os.kill(os.getpid(), signal.SIGKILL)
 
     cb = AsyncCheckpoint(Path(root) / "ckpt", every_n_steps=EVERY, keep_last=3)
     trainer = L.Trainer(
