@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	# DeepSpeed's CPU-Adam op, JIT-built once into ~/.cache/torch_extensions (35-210 s on 2 cores) as part of the set-up,
 	# not of the test run; where it cannot build, lightning_v17.optim falls back to fused AdamW with a warning.
 	$(PY) -c 'from lightning_v17.optim import cpu_adam_unavailable as u; r = u(); print("cpu_adam op:", r or "built")'
+	# DeepSpeed's async_io op (the nvme tier's libaio backend) likewise, where libaio-dev is installed; else a note.
+	$(PY) -c 'from lightning_v17.engine.nvme_aio import prebuild; print("async_io op:", prebuild())'
 	touch $(STAMP)
 
 # The main job: plan it, then train the tiny Llama on the embedded stdlib corpus with ZeRO-3 on 2 CPU ranks.
@@ -30,8 +32,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests -m "not fault"
 
 # The longer fault-tolerance checks (a hung rank under torchrun, ~1 min; one of two torchrun agents killed and a new one
-# joining, 2 -> 1 -> 2 nodes, ~2 min); `python bench/fault.py --tries 10` for the 10 consecutive restarts of the
-# acceptance, `python bench/fault.py --scenario agent-kill --tries 3` for the resize.
+# joining, 2 -> 1 -> 2 nodes, ~2 min; goodput against Young/Daly with one injected failure, ~2-3 min; SIGKILL with
+# optimizer state and parameters on nvme); `python bench/fault.py --tries 10` for the 10 consecutive restarts of the
+# acceptance, `python bench/fault.py --scenario agent-kill --tries 3` for the resize, `python bench/goodput.py` for
+# goodput with three failures.
 test-fault: $(STAMP)
 	$(PY) -m pytest -q tests -m fault
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["AioIO", "aio_backend_or_reason"]
+__all__ = ["AioIO", "aio_backend_or_reason", "prebuild"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,16 @@ def _aio_module():
     if not builder.is_compatible(verbose=False):
         raise RuntimeError("DeepSpeed's async_io op is not compatible here (libaio-dev is missing)")
     return builder.load(verbose=False)
+
+
+def prebuild() -> str:
+    """Build DeepSpeed's ``async_io`` op now (``make``'s set-up calls this, so that no run or test pays for the JIT
+    build): "built", or why it cannot be (e.g. ``libaio-dev`` missing: the nvme tier then uses the thread pool)."""
+    try:
+        _aio_module()
+    except Exception as err:  # noqa: BLE001 - report, never fail the set-up
+        return f"not available ({str(err).splitlines()[0][:200]}); the nvme tier uses the thread pool"
+    return "built"
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
