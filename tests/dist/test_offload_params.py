@@ -3,9 +3,9 @@ V17Strategy at ZeRO-3 on 2 gloo ranks, against a single-process run of the same 
 
 One spawned pair of ranks runs every case (the TinyLM, data and LightningModule of tests/dist/test_zero_parity.py).
 ``CHUNK_MB`` cuts the optimizer's parameters into several chunks, so the step streams the shards chunk by chunk.
-The matrix below runs with ``V17_PARAM_OFFLOAD_FULL=1`` (~2 min on 2 idle cores; skipped otherwise, to keep
-``make test`` within its budget); ``make test`` runs the first case (fp32 AdamW, parameters and optimizer state on
-nvme) and the too-small drive inside tests/dist/test_offload_optimizer.py's spawned pair, with :func:`check_fp32`.
+The matrix below is part of ``make test`` (``V17_PARAM_OFFLOAD_FULL=0`` leaves it out); the first case (fp32 AdamW,
+parameters and optimizer state on nvme) and the too-small drive also run inside tests/dist/test_offload_optimizer.py's
+spawned pair, with :func:`check_fp32`.
 The SIGKILL resume with parameters on nvme is tests/dist/test_offload_resume.py (``make test-fault``).
 
 * **Exactness (fp32)**: AdamW (torch, test_zero_parity's reference) with ``offload_optimizer`` "none" and "nvme", and
@@ -156,8 +156,8 @@ def _full_worker(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    if not os.environ.get(FULL_ENV):
-        pytest.skip(f"the full offload_params matrix takes ~2 min on 2 cores; run it with {FULL_ENV}=1")
+    if os.environ.get(FULL_ENV) == "0":
+        pytest.skip(f"{FULL_ENV}=0: the full offload_params matrix (~1-2 min on 2 cores) is left out")
     root = str(tmp_path_factory.mktemp("param_offload"))
     return spawn(_full_worker, world_size=WORLD, args=(root,), timeout=280, init_process_group=False)
 
