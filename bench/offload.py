@@ -247,7 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
     first = next(iter(v17_losses.values()), None)
     out = {
         "model": {"name": "bench._common.build_gpt (pre-LN GPT, fp32)", **C.shape_dict(shape)},
-        "world_size": 2, "zero_stage": 3, "optimizer": f"lightning_v17.optim.AdamW(lr={LR}, fused)",
+        "world_size": 2, "zero_stage": 3,
+        "optimizer": f"lightning_v17.optim.AdamW(lr={LR}, fused)" if args.optimizer == "adamw"
+        else f"lightning_v17.optim.CPUAdam(lr={LR}, DeepSpeed's op)",
         "chunk_mb": args.chunk_mb, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
         "nvme_path": nvme_path, "load_average": os.getloadavg(), "v17_optimizer": args.optimizer,
         "tokens_per_s_ratio_cpu_over_ds_cpu": C.ratio(results, "cpu", "ds_cpu") if {"cpu", "ds_cpu"} <= set(arms)

@@ -129,30 +129,21 @@ class AioIO:
         self._writer.shutdown(wait=True)
 
 
-@functools.cache
-def _probe(folder: str) -> str | None:
-    """None when an AioIO round trip of an unaligned tensor works in ``folder``, else the reason it does not."""
+def aio_backend_or_reason(folder: str | Path) -> tuple[AioIO | None, str]:
+    """An :class:`AioIO` for ``folder`` when DeepSpeed's op builds and an O_DIRECT round trip of an unaligned tensor
+    works there (the same object, kept), else ``(None, reason)``."""
     try:
         io = AioIO()
     except Exception as err:  # noqa: BLE001 - a probe: any failure means "use the thread pool"
-        return f"DeepSpeed's async_io op is unavailable ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        return None, f"DeepSpeed's async_io op is unavailable ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
     try:
         with tempfile.TemporaryDirectory(dir=folder, prefix=".v17-aio-probe-") as d:
             src = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: not a multiple of the alignment
             io.write(Path(d) / "probe", src).result()
-            back = io.read_into(Path(d) / "probe", torch.empty_like(src)).result()
-            if not torch.equal(back, src):
-                return "DeepSpeed's async_io op read back different bytes than it wrote"
+            if not torch.equal(io.read_into(Path(d) / "probe", torch.empty_like(src)).result(), src):
+                io.close()
+                return None, "DeepSpeed's async_io op read back different bytes than it wrote"
     except Exception as err:  # noqa: BLE001
-        return f"DeepSpeed's async_io op failed in {folder} ({type(err).__name__}: {err}; O_DIRECT unsupported?)"
-    finally:
         io.close()
-    return None
-
-
-def aio_backend_or_reason(folder: str | Path) -> tuple[AioIO | None, str]:
-    """An :class:`AioIO` for ``folder`` when DeepSpeed's op builds and works there, else ``(None, reason)``."""
-    reason = _probe(str(folder))
-    if reason is not None:
-        return None, reason
-    return AioIO(), "DeepSpeed's async_io op (libaio, O_DIRECT)"
+        return None, f"DeepSpeed's async_io op failed in {folder} ({type(err).__name__}: {err}; O_DIRECT unsupported?)"
+    return io, "DeepSpeed's async_io op (libaio, O_DIRECT)"
