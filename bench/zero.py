@@ -61,6 +61,9 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "v17_zero1_sync": ("lightning", "v17:1:sync"),
     "v17_zero2_sync": ("lightning", "v17:2:sync"),
     "v17_zero3_sync": ("lightning", "v17:3:sync"),
+    # ZeRO-3 with reshard_after_forward=False: gathered blocks kept from forward to backward (one all-gather of each
+    # per step less), what DeepSpeed's default stage3_max_reuse_distance (1e9 elements) does on a model this small
+    "v17_zero3_keep": ("lightning", "v17:3:keep"),
     "lightning_model_parallel": ("lightning", "model_parallel"),
     "lightning_ddp": ("lightning", "ddp"),
     "deepspeed_zero1": ("deepspeed", "1"),
@@ -73,6 +76,8 @@ RATIOS = [
     ("v17_zero1", "deepspeed_zero1"),
     ("v17_zero2", "deepspeed_zero2"),
     ("v17_zero3", "lightning_ddp"),
+    ("v17_zero3_keep", "lightning_ddp"),
+    ("v17_zero3_keep", "deepspeed_zero3"),
     ("v17_zero1", "lightning_ddp"),
     ("v17_zero2", "lightning_model_parallel"),
     ("v17_zero2", "lightning_ddp"),
@@ -135,7 +140,8 @@ def _lightning_worker(args: argparse.Namespace, which: str) -> None:
         from lightning_v17.strategies import V17Strategy
 
         parts = which.split(":")
-        strategy = V17Strategy(zero_stage=int(parts[1]), overlap_comm=parts[-1] != "sync")
+        strategy = V17Strategy(zero_stage=int(parts[1]), overlap_comm=parts[-1] != "sync",
+                               reshard_after_forward=False if parts[-1] == "keep" else None)  # fmt: skip
     elif which == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -125,7 +125,10 @@ class ZeroBackend:
     def prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer], *, offload: Any = None) -> None:
         """Partition the optimizers' state (stages 1-2) before their first step; stage 3 needs nothing (FSDP2's
         parameters are already the shards). With an ``offload`` policy whose optimizer tier is "cpu"/"nvme", each
-        (partitioned) optimizer then steps through that tier (:mod:`lightning_v17.engine.offload`)."""
+        (partitioned) optimizer then steps through that tier (:mod:`lightning_v17.engine.offload`). Otherwise a user's
+        own elementwise ``torch.optim`` optimizer (AdamW, Adam, SGD, ...) steps DTensor parameters (stage 3, TP) on
+        their local shards (:func:`~lightning_v17.optim.local_shards.enable_local_step`): bitwise the same update
+        without DTensor dispatch per op."""
         optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
         if self.engine is not None:
             self.engine.choose_partition(optimizers)
@@ -143,6 +146,11 @@ class ZeroBackend:
                                rank=rank, buffer_count=offload.buffer_count, chunk_mb=offload.chunk_mb, params=params)
                 for opt in optimizers
             ]  # fmt: skip
+        from lightning_v17.optim.local_shards import enable_local_step
+
+        for opt in optimizers:
+            if offload_engine.offload_of(opt) is None:  # an offloaded step already runs on local tensors
+                enable_local_step(opt)  # the user's torch.optim AdamW/SGD/...: local shards, bitwise the same
 
     def after_optimizer_step(self) -> None:
         """Stages 1-2: every rank stepped its part; all-gather (or broadcast) it into the replicated parameters."""

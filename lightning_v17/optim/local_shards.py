@@ -19,6 +19,7 @@ what torch's own optimizers produce on DTensors (per-parameter DTensor states), 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -26,7 +27,8 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["LocalShardStep", "has_dtensor_params", "local_grad", "local_shards"]
+__all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "LocalShardStep", "enable_local_step", "has_dtensor_params", "local_grad",
+           "local_shards"]  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -129,3 +131,64 @@ class LocalShardStep:
         else:
             super().step()  # type: ignore[misc]
         return loss
+
+
+#: ``torch.optim`` classes whose update of an element reads only that element of the parameter, gradient and state
+#: (plus scalars: lr, betas, step counts), so stepping the local shards equals the shards of the DTensor step bit
+#: for bit (each DTensor op dispatches to the same local op on the same local tensor)
+ELEMENTWISE_TORCH_OPTIMIZERS: tuple[str, ...] = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Adagrad",
+)
+
+
+def enable_local_step(optimizer: Any) -> bool:
+    """Make a user's own ``torch.optim`` optimizer step DTensor parameters on their local shards (issue 16).
+
+    torch's optimizers step DTensors op by op through DTensor dispatch: the default per-tensor AdamW over a 3.7M-param
+    GPT under FSDP2 took 66-72 ms per step on DTensors (``lightning_v17.optim.library.AdamW``'s docstring). For the
+    classes in :data:`ELEMENTWISE_TORCH_OPTIMIZERS` (exactly those classes: a subclass may override ``step``) the
+    instance's ``step`` is replaced by one that runs the closure, then the original step inside
+    :func:`local_shards`; the user's own arguments (foreach, fused, amsgrad, ...) are untouched, and results are
+    bitwise those of the DTensor step. Optimizer step hooks see the local aliases while they run. An LR scheduler
+    made before or after keeps counting steps (its wrapper calls through, or wraps, this one).
+
+    Returns:
+        True if the step was replaced; False when nothing needs it (no DTensor parameter, not one of those classes,
+        ``differentiable=True``, one of our library classes, or already replaced).
+    """
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    name = type(opt).__name__
+    if name not in ELEMENTWISE_TORCH_OPTIMIZERS or type(opt) is not getattr(torch.optim, name, None):
+        return False  # our library's classes step local shards already; a subclass may override step
+    if getattr(opt, "_v17_local_step", False) or not has_dtensor_params(opt.param_groups):
+        return False
+    if any(g.get("differentiable", False) for g in opt.param_groups):
+        return False  # the step is part of an autograd graph: leave it on the DTensors
+    previous = opt.step
+
+    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with local_shards(self):
+            previous()
+        return loss
+
+    # A partial, not a bound method, so it can carry what torch's LR schedulers look for: ``__func__`` (a scheduler
+    # made later wraps ``step.__func__``) and ``_wrapped_by_lr_sched`` (a scheduler made earlier warns "optimizer.step()
+    # has been overridden" unless it still finds its mark; its wrapper is ``previous`` and still runs each step)
+    replacement = functools.partial(step, opt)
+    replacement.__func__ = step  # type: ignore[attr-defined]
+    if getattr(previous, "_wrapped_by_lr_sched", False):
+        replacement._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = replacement
+    opt._v17_local_step = True
+    return True
