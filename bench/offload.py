@@ -18,9 +18,16 @@ cost), and the nvme tier is a directory on the local disk (``--nvme-path``; the 
 ``io_wait_share``: the fraction of the optimizer step's wall time spent waiting for reads and write-backs (the I/O
 not hidden behind the optimizer's compute or the forward/backward that the first reads overlap).
 
-Speed anchor: ``ds_cpu``, raw DeepSpeed ZeRO-3 with ``offload_optimizer.device="cpu"`` and DeepSpeedCPUAdam (compare
-with ``--optimizer cpu_adam``; ``tokens_per_s_ratio_cpu_over_ds_cpu``). DeepSpeed's nvme optimizer offload needs its
-async_io op (libaio-dev), so it has no arm here.
+Speed anchors, raw DeepSpeed ZeRO-3 (``deepspeed.initialize`` + a hand loop, DeepSpeedCPUAdam; compare with
+``--optimizer cpu_adam``), each against the V17 arm that offloads the same things (``ratios``):
+
+* ``ds_cpu``: ``offload_optimizer.device="cpu"``, fp32 (against ``cpu``);
+* ``ds_nvme``: ``offload_optimizer.device="nvme"``, fp32 (against ``nvme``);
+* ``ds_nvme_params_bf16``: optimizer and parameters on nvme, ``bf16.enabled`` (DeepSpeed's fp32 parameter swapper
+  is broken: it allocates bf16 buffers), against ``nvme_params_bf16`` (V17 with ``precision="bf16-mixed"``).
+
+DeepSpeed's nvme tier needs its ``async_io`` op (Debian's ``libaio-dev``); without it the ``ds_nvme*`` arms fail at
+start with DeepSpeed's own message, and the V17 arms use the thread-pool backend (``io_backend`` in the JSON).
 
     python bench/offload.py                       # every arm, 1 round
     python bench/offload.py --arms none_mmap,nvme,nvme_params   # the parameter-offload table
@@ -42,10 +49,25 @@ from bench import _common as C
 
 #: none_mmap: no offload, but glibc's mmap threshold fixed at 1 MiB as the nvme tier does (separates the allocator's
 #: share of the RSS drop from the offload's)
-#: ds_cpu: raw DeepSpeed ZeRO-3 with offload_optimizer={"device": "cpu"} and DeepSpeedCPUAdam (the speed anchor);
-#: DeepSpeed's nvme optimizer offload needs its async_io op (libaio-dev), absent here, so it has no arm
-#: nvme_params: offload_optimizer="nvme" and offload_params="nvme" (ZeRO-Infinity: the parameter shards on nvme too)
-ARMS = ("none", "none_mmap", "cpu", "nvme", "nvme_params", "ds_cpu")
+#: nvme_mmap: the nvme arm with that mmap threshold (the parameter tier sets it: its shards are freed with resize_, and
+#: a glibc heap would keep them), the baseline of nvme_params' own drop
+#: nvme_params: offload_optimizer="nvme" and offload_params="nvme" (ZeRO-Infinity: the parameter shards on nvme too);
+#: nvme_params_bf16: the same under precision="bf16-mixed"
+#: ds_*: raw DeepSpeed ZeRO-3 with DeepSpeedCPUAdam, the same tiers (module docstring)
+ARMS = (
+    "none",
+    "none_mmap",
+    "cpu",
+    "nvme",
+    "nvme_mmap",
+    "nvme_params",
+    "nvme_params_bf16",
+    "ds_cpu",
+    "ds_nvme",
+    "ds_nvme_params_bf16",
+)
+#: ours -> DeepSpeed's arm with the same tiers and precision
+DS_ANCHOR = {"cpu": "ds_cpu", "nvme": "ds_nvme", "nvme_params_bf16": "ds_nvme_params_bf16"}
 LR, WEIGHT_DECAY = 1e-4, 0.01
 #: >= 100M parameters (103.3M): 8 blocks of width 1024; short sequences keep a step near a second on 2 cores
 DEFAULT_SHAPE = {"vocab": 1024, "hidden": 1024, "layers": 8, "heads": 16, "seq": 64, "batch": 1}
@@ -116,17 +138,22 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
             timer.after_step(batch_idx)
 
     offload = None
-    if arm == "none_mmap":
+    if arm.endswith("_mmap"):
         from lightning_v17.engine.offload import fix_mmap_threshold
 
         fix_mmap_threshold()
-    elif arm == "nvme_params":
-        offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb)
+    if arm == "none_mmap":
+        pass
+    elif arm.startswith("nvme_params"):
+        offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb,
+                                buffer_count=args.buffer_count)  # fmt: skip
     elif arm != "none":
-        offload = OffloadPolicy(optimizer=arm, nvme_path=args.nvme_path if arm == "nvme" else None,
-                                chunk_mb=args.chunk_mb)  # fmt: skip
+        tier = arm.removesuffix("_mmap")
+        offload = OffloadPolicy(optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None,
+                                chunk_mb=args.chunk_mb, buffer_count=args.buffer_count)  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=V17Strategy(zero_stage=3, offload=offload), precision="32-true",
+        accelerator="cpu", devices=world, strategy=V17Strategy(zero_stage=3, offload=offload),
+        precision="bf16-mixed" if arm.endswith("_bf16") else "32-true",
         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[Timing()],
@@ -141,8 +168,9 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
     )  # fmt: skip
 
 
-def _deepspeed_worker(args: argparse.Namespace) -> None:
-    """Raw DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam), fp32, gloo."""
+def _deepspeed_worker(args: argparse.Namespace, arm: str) -> None:
+    """Raw DeepSpeed ZeRO-3, DeepSpeedCPUAdam, gloo: ``ds_cpu`` / ``ds_nvme`` offload the optimizer (fp32),
+    ``ds_nvme_params_bf16`` the optimizer and the parameters (bf16)."""
     rank, world = C.worker_setup()
     import deepspeed
     import torch
@@ -154,13 +182,25 @@ def _deepspeed_worker(args: argparse.Namespace) -> None:
     batches = C.make_batches(shape, rank, args.warmup + args.steps)
     model = C.build_gpt(shape)
     opt = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    nvme = os.path.join(args.nvme_path, f"ds-{arm}")
+    zero: dict = {"stage": 3, "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": int(5e8),
+                  "stage3_prefetch_bucket_size": int(5e7), "stage3_param_persistence_threshold": int(1e5)}  # fmt: skip
+    if arm == "ds_cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    else:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
+                                     "buffer_count": args.buffer_count}  # fmt: skip
+    if arm == "ds_nvme_params_bf16":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False, "buffer_count": 5,
+                                 "buffer_size": int(1e8), "max_in_cpu": 0}  # fmt: skip
     config = {
-        "train_micro_batch_size_per_gpu": shape.batch, "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
-                              "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": int(5e8),
-                              "stage3_prefetch_bucket_size": int(5e7), "stage3_param_persistence_threshold": int(1e5)},
+        "train_micro_batch_size_per_gpu": shape.batch, "gradient_accumulation_steps": 1, "zero_optimization": zero,
         "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
     }  # fmt: skip
+    if arm.endswith("_bf16"):
+        config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     torch.set_num_threads(1)
     timer = C.StepTimer(args.warmup, args.steps)
@@ -174,6 +214,14 @@ def _deepspeed_worker(args: argparse.Namespace) -> None:
     C.write_result(args._out, timer, shape, world, losses=losses, planned_optimizer_bytes=None)
 
 
+def _median_io_wait(runs: list[dict]) -> float | None:
+    import statistics
+
+    per_round = [statistics.mean(rk["io_wait_share"] for rk in r["ranks"]) for r in runs
+                 if r["ok"] and all(rk.get("io_wait_share") is not None for rk in r["ranks"])]  # fmt: skip
+    return round(statistics.median(per_round), 3) if per_round else None
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per run (default 2)")
@@ -182,6 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
     ap.add_argument("--shape", default=json.dumps(DEFAULT_SHAPE), help="GPTShape as JSON (default: 103M params)")
     ap.add_argument("--chunk-mb", type=float, default=4.0, help="OffloadPolicy.chunk_mb (default 4)")
+    ap.add_argument("--buffer-count", type=int, default=4,
+                    help="nvme read-ahead buffers, the same for both: OffloadPolicy.buffer_count and DeepSpeed's "
+                    "offload_optimizer.buffer_count (default 4, DeepSpeed's default)")  # fmt: skip
     ap.add_argument("--nvme-path", default=None, help="directory of the nvme tier (default: a fresh temp dir)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before both ranks are killed")
     ap.add_argument(
@@ -195,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._worker:
-        _deepspeed_worker(args) if args._worker == "ds_cpu" else _worker(args, args._worker)
+        _deepspeed_worker(args, args._worker) if args._worker.startswith("ds_") else _worker(args, args._worker)
         return {}
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if any(a not in ARMS for a in arms):
@@ -203,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="v17-offload-bench-")
     shape = C.GPTShape(**json.loads(args.shape))
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--shape", json.dumps(C.asdict(shape)),
-              "--chunk-mb", str(args.chunk_mb), "--nvme-path", nvme_path, "--optimizer", args.optimizer]  # fmt: skip
+              "--chunk-mb", str(args.chunk_mb), "--nvme-path", nvme_path, "--buffer-count", str(args.buffer_count),
+              "--optimizer", args.optimizer]  # fmt: skip
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     t_start = time.monotonic()
     for rnd in range(args.rounds):
@@ -217,13 +269,15 @@ def main(argv: list[str] | None = None) -> dict:
     table = []
     base = results.get("none", {}).get("peak_rss_mb")
     base_mmap = results.get("none_mmap", {}).get("peak_rss_mb")
-    base_nvme = results.get("nvme", {}).get("peak_rss_mb")
+    # nvme_params' own drop against the nvme arm under the same allocator setting (the parameter tier sets the mmap
+    # threshold), when that arm ran
+    base_nvme = results.get("nvme_mmap", results.get("nvme", {})).get("peak_rss_mb")
     for a in arms:
         ok = [r for r in runs[a] if r["ok"]]
         if not ok:
             continue
         last = ok[-1]["ranks"]
-        for k, rk in enumerate(last if a != "ds_cpu" else []):
+        for k, rk in enumerate(last if not a.startswith("ds_") else []):
             row = {
                 "arm": a, "rank": k, "planned_optimizer_bytes": rk["planned_optimizer_bytes"],
                 "peak_rss_mb": results[a]["peak_rss_mb"][k], "disk_bytes": rk.get("disk_bytes", 0),
@@ -243,17 +297,22 @@ def main(argv: list[str] | None = None) -> dict:
                 row["drop_over_planned_vs_none_mmap"] = round(drop / rk["planned_optimizer_bytes"], 3)
             table.append(row)
     losses = {a: [r for r in runs[a] if r["ok"]][-1]["ranks"][0]["losses"] for a in arms if results[a]["tokens_per_s"]}
-    v17_losses = {a: v for a, v in losses.items() if a != "ds_cpu"}  # DeepSpeed reduces in another order
+    # DeepSpeed reduces in another order; bf16 arms compute in another precision: compare like with like
+    v17_losses = {a: v for a, v in losses.items() if not a.startswith("ds_") and not a.endswith("_bf16")}
     first = next(iter(v17_losses.values()), None)
     out = {
         "model": {"name": "bench._common.build_gpt (pre-LN GPT, fp32)", **C.shape_dict(shape)},
         "world_size": 2, "zero_stage": 3,
         "optimizer": f"lightning_v17.optim.AdamW(lr={LR}, fused)" if args.optimizer == "adamw"
         else f"lightning_v17.optim.CPUAdam(lr={LR}, DeepSpeed's op)",
-        "chunk_mb": args.chunk_mb, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "chunk_mb": args.chunk_mb, "buffer_count": args.buffer_count, "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds,
         "nvme_path": nvme_path, "load_average": os.getloadavg(), "v17_optimizer": args.optimizer,
-        "tokens_per_s_ratio_cpu_over_ds_cpu": C.ratio(results, "cpu", "ds_cpu") if {"cpu", "ds_cpu"} <= set(arms)
-        else None,
+        "ratios": {f"{a}/{d}": C.ratio(results, a, d) for a, d in DS_ANCHOR.items() if {a, d} <= set(arms)},
+        "ratios_per_cpu_s": {f"{a}/{d}": C.ratio(results, a, d, "tokens_per_cpu_s") for a, d in DS_ANCHOR.items()
+                             if {a, d} <= set(arms)},
+        # median over rounds of the mean over ranks: the share of the offloaded optimizer step spent waiting for I/O
+        "io_wait_share": {a: _median_io_wait(runs[a]) for a in arms if not a.startswith("ds_")},
         "results": results, "memory_table": table,
         "losses": losses, "v17_losses_identical": all(v == first for v in v17_losses.values()),
         "wall_s": round(time.monotonic() - t_start, 1),

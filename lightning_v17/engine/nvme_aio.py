@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_v17.engine.nvme import host_buffer
+
 __all__ = ["AioIO", "aio_backend_or_reason", "prebuild"]
 
 log = logging.getLogger(__name__)
@@ -85,9 +87,10 @@ class AioIO:
         n = src.numel()
         buf = src
         if n % self.alignment:
-            buf = torch.zeros(self._padded(n), dtype=torch.uint8)
+            buf = host_buffer(self._padded(n))  # zero-filled: the padding stays 0
             buf[:n].copy_(src)
-        path.unlink(missing_ok=True)  # O_DIRECT writes do not truncate: a shorter file must not keep an old tail
+        if path.exists() and path.stat().st_size != buf.numel():
+            path.unlink()  # O_DIRECT writes do not truncate: a shorter file must not keep an old tail
         rc = self._wh.sync_pwrite(buf, str(path))
         size = path.stat().st_size if path.exists() else -1
         if rc < 0 or size != buf.numel():  # the op can report success for a write the kernel refused (EINVAL)
@@ -102,7 +105,7 @@ class AioIO:
             raise OSError(f"{path}: file ends at {size} of {n} bytes (truncated offload file)")
         if size % self.alignment:
             raise OSError(f"{path}: {size} bytes is not a multiple of the O_DIRECT alignment {self.alignment}")
-        buf = dst if size == n else torch.empty(size, dtype=torch.uint8)
+        buf = dst if size == n else host_buffer(size)
         if self._rh.sync_pread(buf, str(path)) < 0:
             raise OSError(f"{path}: DeepSpeed async_io read of {buf.numel()} bytes failed")
         if buf is not dst:
@@ -117,7 +120,7 @@ class AioIO:
     def read(self, path: Path, nbytes: int) -> Future:
         """Read ``path`` into a fresh uint8 tensor of ``nbytes`` asynchronously; the future's result is it."""
         self.bytes_read += nbytes
-        return self._reader.submit(self._read, path, torch.empty(nbytes, dtype=torch.uint8))
+        return self._reader.submit(self._read, path, host_buffer(nbytes))
 
     def read_into(self, path: Path, t: torch.Tensor) -> Future:
         """Read ``path`` into the existing contiguous CPU tensor ``t`` asynchronously; the result is ``t``."""
