@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--zero-stage", type=_zero_stage, help="ZeRO stage 0-3")
     t.add_argument("--optimizer", default="adamw", help=f"{', '.join(o.value for o in OptimizerKind)}")
     t.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true or fp8 (default bf16-mixed)")
+    t.add_argument("--fp8", help="V17Strategy's fp8 recipe: tensorwise, rowwise or delayed (default: off; tensorwise "
+                   "with --precision fp8)")  # fmt: skip
     t.add_argument("--micro-batch", type=_positive_int, default=1, help="samples per micro-batch (b)")
     t.add_argument("--global-batch", type=_positive_int, help="samples per step over all replicas")
     t.add_argument("--microbatches", type=_positive_int, help="micro-batches per step per replica (m)")
@@ -227,7 +229,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         schedule=None if args.schedule is None else Schedule.parse(args.schedule, "--schedule"),
         virtual_stages=args.virtual_stages,
         offload_optimizer=Tier.parse(args.offload_optimizer, "--offload-optimizer"),
-        offload_params=Tier.parse(args.offload_params, "--offload-params"),
+        offload_params=Tier.parse(args.offload_params, "--offload-params"), fp8=args.fp8,
         mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s, op_times=_op_times(args.op_times, args.op_cv),
         p2p_time=args.p2p_time,
     )  # fmt: skip

@@ -6,7 +6,7 @@ reference model (``LlamaLM``) and ``PackedDataModule`` with the plan's sequence 
 top records the exact ``v17 plan`` command, so a recipe in ``configs/`` can be regenerated and re-checked (the test
 in tests/unit/test_configs.py re-runs that command and compares).
 
-What the plan recommends but the run cannot express yet (an offload tier V17Strategy refuses, fp8, an optimizer
+What the plan recommends but the run cannot express yet (an offload tier V17Strategy refuses, an optimizer
 other than LlamaLM's AdamW) is not emitted; it becomes a "NOT EMITTED" comment instead, so the file always loads.
 """
 
@@ -169,10 +169,10 @@ def emit_config(plan: Plan) -> EmittedConfig:
     strategy = _strategy(plan, not_emitted)
     nodes, devices = _nodes_and_devices(plan)
     precision = lay.precision
+    if lay.fp8 is not None:
+        strategy["init_args"]["fp8"] = lay.fp8.value  # the Linears of the blocks in float8 (engine/fp8.py)
     if precision == Precision.FP8:
-        not_emitted.append("precision fp8 (Trainer precision has no fp8 mode wired to V17Strategy yet); emitted "
-                           "bf16-mixed, which the fp8 plan also uses outside the matmuls")
-        precision = Precision.BF16_MIXED
+        precision = Precision.BF16_MIXED  # fp8 runs as V17Strategy(fp8=...) with bf16-mixed outside the matmuls
     if lay.optimizer != MODEL_OPTIMIZER:
         not_emitted.append(f"optimizer={lay.optimizer.value} (LlamaLM trains with {MODEL_OPTIMIZER.value}; the "
                            f"plan's optimizer-state bytes assume {lay.optimizer.value})")
@@ -196,7 +196,7 @@ def emit_config(plan: Plan) -> EmittedConfig:
          f"({nodes} node{'s' if nodes > 1 else ''} x {devices})"),
         (f"  layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero_stage} sp={'on' if lay.sp else 'off'} "
          f"recompute={lay.recompute.value} schedule={lay.schedule.value if lay.pp > 1 else '-'} | "
-         f"{lay.optimizer.value} {lay.precision.value}"),
+         f"{lay.optimizer.value} {lay.precision.value}{f' fp8={lay.fp8.value}' if lay.fp8 else ''}"),
         (f"  per-rank device memory: {fmt_bytes(gpu_bytes)} of {fmt_bytes(plan.cluster.usable_memory_bytes)} usable "
          f"({fmt_bytes(acc.memory_bytes)} less a {plan.cluster.memory_reserve:.0%} reserve) "
          f"({'fits' if plan.fits else 'DOES NOT FIT'}); cpu {fmt_bytes(plan.memory.tiers.cpu)}, "

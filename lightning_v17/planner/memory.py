@@ -439,6 +439,17 @@ def activation_bytes_first_stage(
     return math.ceil(per_layer_bytes * layers_per_stage * in_flight * factor)
 
 
+def fp8_gathered_params(shape: ModelShape, recipe: FP8Recipe | str | None) -> int:
+    """Parameters of the largest ZeRO-3 unit that are all-gathered in float8: with ``tensorwise`` (``fp8_all_gather``
+    on, the strategy's default) the Linear weights of a block (``ModelShape.matmul_params_per_block``) when the block
+    is the largest unit and every Linear dimension divides 16 (``engine/fp8.py``'s layer rule); else 0."""
+    if recipe is None or FP8Recipe(recipe) != FP8Recipe.TENSORWISE or shape.largest_unit_params != shape.block_params:
+        return 0
+    if any(d % 16 for d in (shape.hidden, shape.kv_dim, shape.ffn)):
+        return 0
+    return shape.matmul_params_per_block
+
+
 def zero3_gather_bytes(
     largest_unit_params: int,
     *,
@@ -489,6 +500,7 @@ __all__ = [
     "activation_bytes_per_layer",
     "activation_bytes_per_layer_of",
     "fp8_activation_delta_bytes_per_layer",
+    "fp8_gathered_params",
     "grad_bucket_bytes",
     "grad_bytes_per_param",
     "llama_activation_bytes_per_layer",

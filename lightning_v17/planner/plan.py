@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_v17.config import (
+    FP8Recipe,
     OptimizerKind,
     PipelinePolicy,
     Precision,
@@ -134,6 +135,10 @@ class TrainSpec:
         schedule: pipeline schedule.
         virtual_stages: model chunks per rank for interleaved/zero-bubble schedules.
         offload_optimizer, offload_params: tiers.
+        fp8: the strategy's ``fp8`` recipe ("tensorwise", "rowwise", "delayed"; None: off, or "tensorwise" when
+            ``precision`` is "fp8"). It changes the saved activations (``delayed`` keeps float8 casts,
+            :func:`~lightning_v17.planner.memory.fp8_activation_delta_bytes_per_layer`) and, at ZeRO-3 with
+            ``tensorwise``, the all-gathered unit (its Linear weights travel in float8, 1 B each).
         mfu: assumed MFU without bubble and recomputation, for the step-time estimate.
         checkpoint_write_s: seconds to write a checkpoint (None: model state / storage bandwidth).
         op_times: T_F, T_B, T_W of one micro-batch on one stage, with their coefficients of variation, for the
@@ -159,6 +164,7 @@ class TrainSpec:
     virtual_stages: int | None = None
     offload_optimizer: Tier = Tier.NONE
     offload_params: Tier = Tier.NONE
+    fp8: FP8Recipe | None = None
     mfu: float = 0.5
     checkpoint_write_s: float | None = None
     op_times: OpTimes | None = None
@@ -169,6 +175,15 @@ class TrainSpec:
             raise ValueError(f"p2p_time={self.p2p_time} must be >= 0")
         object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer))
         object.__setattr__(self, "precision", Precision.parse(self.precision))
+        if self.fp8 is not None:
+            try:
+                object.__setattr__(self, "fp8", FP8Recipe(self.fp8))
+            except ValueError:
+                raise V17ConfigError(
+                    f"fp8={self.fp8!r}; choose one of {[r.value for r in FP8Recipe]} (or leave it unset)"
+                ) from None
+        elif self.precision == Precision.FP8:
+            object.__setattr__(self, "fp8", FP8Recipe.TENSORWISE)  # what an fp8 run of V17Strategy uses
         if self.recompute is not None:
             object.__setattr__(self, "recompute", Recompute.parse(self.recompute, "recompute"))
         if self.schedule is not None:
@@ -206,6 +221,7 @@ class Layout:
     precision: Precision
     offload_optimizer: Tier
     offload_params: Tier
+    fp8: FP8Recipe | None = None
 
     @property
     def gpus(self) -> int:
@@ -312,14 +328,15 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
     if shape is not None:
         per_layer = mem.activation_bytes_per_layer_of(
             shape, seq=lay.seq, micro_batch=lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
-            cp=lay.cp, element_bytes=element,
+            cp=lay.cp, element_bytes=element, fp8=lay.fp8,
         )  # fmt: skip
         act = mem.activation_bytes_first_stage(
             per_layer, layers=shape.layers, pp=lay.pp, microbatches=lay.microbatches, schedule=lay.schedule,
             virtual_stages=lay.virtual_stages,
         )  # fmt: skip
         if lay.zero_stage == 3 and shard > 1:
-            temp += mem.zero3_gather_bytes(shape.largest_unit_params, tp=lay.tp, param_bytes=pb, grad_bytes=gb)
+            temp += mem.zero3_gather_bytes(shape.largest_unit_params, tp=lay.tp, param_bytes=pb, grad_bytes=gb,
+                                           float8_params=mem.fp8_gathered_params(shape, lay.fp8))  # fmt: skip
         if lay.pp == 1:
             temp += mem.logits_bytes(seq=lay.seq // lay.cp, micro_batch=lay.micro_batch, vocab=shape.vocab, tp=lay.tp)
     if shard > 1:
@@ -393,7 +410,7 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
     return Layout(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, zero_stage=zero, recompute=recompute, schedule=schedule,
                   virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
                   optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
-                  offload_params=train.offload_params)
+                  offload_params=train.offload_params, fp8=train.fp8)
 
 
 def _validate(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:

@@ -168,10 +168,17 @@ def test_shape_overrides_reach_the_model(tmp_path):
         assert module.config.to_shape().num_params == plan.model.num_params
 
 
-def test_fp8_and_other_optimizers_are_noted(tmp_path):
+def test_fp8_is_emitted_and_other_optimizers_are_noted(tmp_path):
     text, doc = _emit(tmp_path, ["--model", "llama3-8b", "--gpus", "8", "--precision", "fp8", "--optimizer", "lion"])
+    # fp8 runs as V17Strategy(fp8=...) with bf16-mixed outside the float8 matmuls; the recipe loads into the strategy
     assert doc["trainer"]["precision"] == "bf16-mixed"
-    assert "NOT EMITTED: precision fp8" in text and "NOT EMITTED: optimizer=lion" in text
+    assert doc["trainer"]["strategy"]["init_args"]["fp8"] == "tensorwise"
+    assert _strategy(doc).policy.fp8.recipe.value == "tensorwise"
+    assert "NOT EMITTED: precision" not in text and "NOT EMITTED: optimizer=lion" in text
+    _, doc = _emit(tmp_path, ["--model", "llama3-8b", "--gpus", "8", "--precision", "fp8", "--fp8", "delayed"])
+    assert doc["trainer"]["strategy"]["init_args"]["fp8"] == "delayed"
+    _, doc = _emit(tmp_path, ["--model", "llama3-8b", "--gpus", "8"])
+    assert "fp8" not in doc["trainer"]["strategy"]["init_args"]
 
 
 def test_emit_refuses_what_cannot_run():

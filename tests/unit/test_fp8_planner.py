@@ -146,3 +146,35 @@ def test_zero3_float8_all_gather_bytes_match_the_planner(one_rank_group):
     assert planned_fp8 == (params - f8) * 4 + f8  # by hand: the two norm weights in fp32, the rest 1 byte
     assert fp32_bytes == planned_fp32, (fp32_bytes, planned_fp32)
     assert abs(fp8_bytes / planned_fp8 - 1) <= 1e-3, (fp8_bytes, planned_fp8)
+
+
+def test_v17_plan_carries_the_fp8_recipe_into_its_memory():
+    """``v17 plan --precision fp8 [--fp8 recipe]``: the layout carries the recipe, and the plan's per-rank bytes use
+    the two fp8 terms held against runs above: delayed scaling's saved float8 casts in the activations, and the
+    float8 all-gather of a ZeRO-3 unit's Linear weights (tensorwise). Checked against the plan of the same layout
+    without fp8, by hand from the shape."""
+    from lightning_v17.planner.cli import build_parser, specs_from_args
+    from lightning_v17.planner.plan import make_plan
+
+    base = ["--model", "llama2-7b", "--gpus", "8", "--zero-stage", "3", "--recompute", "none", "--tp", "1"]
+
+    def plan(*extra):
+        return make_plan(*specs_from_args(build_parser().parse_args([*base, *extra])))
+
+    bf16, fp8, delayed = plan(), plan("--precision", "fp8"), plan("--precision", "fp8", "--fp8", "delayed")
+    assert bf16.layout.fp8 is None and fp8.layout.fp8.value == "tensorwise" and delayed.layout.fp8.value == "delayed"
+    shape, lay = fp8.model.shape, fp8.layout
+    # tensorwise: same activations; the gathered unit's Linear weights cost 1 B instead of 2 (block = largest unit)
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn
+    linears = 2 * h * h + 2 * h * kv + 3 * h * f  # wq, wo; wk, wv; w1, w2, w3
+    assert shape.block_params == shape.largest_unit_params
+    assert fp8.memory.activation_per_layer == bf16.memory.activation_per_layer
+    gathered_units = 1 + 1  # the unit and the one prefetched (zero3_gather_bytes' default prefetch=1)
+    assert bf16.memory.temp - fp8.memory.temp == gathered_units * linears * (2 - 1)
+    # delayed: the saved float8 casts, per block, on top of the plain count (the measured term above)
+    delta = fp8_activation_delta_bytes_per_layer(
+        "delayed", seq=lay.seq, micro_batch=lay.micro_batch, hidden=h, heads=shape.heads, kv_heads=shape.kv_heads,
+        ffn=f, tp=lay.tp, recompute=lay.recompute, element_bytes=2,
+    )  # fmt: skip
+    assert delta > 0 and delayed.memory.activation_per_layer == bf16.memory.activation_per_layer + delta
+    assert delayed.memory.temp == bf16.memory.temp  # delayed all-gathers in high precision
