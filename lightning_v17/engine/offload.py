@@ -226,6 +226,7 @@ class OptimizerOffload:
             self.io, reason = nvme.open_io(self.files.folder)
             self.backend = self.io.name
             _log_backend_once(self.backend, reason)
+            fix_mmap_threshold()  # else glibc keeps freed grads/activations: 103M GPT, peak RSS 1,690 vs 1,137 MB
         self._inner_step: Callable[..., Any] = optimizer.step
         self._own_step = optimizer.__dict__.get("step")  # an instance-level step to put back at close (else none)
         self._reads: dict[int, Any] = {}
@@ -372,15 +373,14 @@ class OptimizerOffload:
         self._prune()
 
     def _prune(self) -> None:
-        """Forget finished writes; keep their buffers for the next reads while fewer than ``buffer_count - 1``
-        buffers are pooled or being written (so the read-ahead holds no more memory than without the pool)."""
+        """Forget finished writes; keep their buffers for the next reads while fewer than ``buffer_count - 1`` are
+        pooled or being written (so the read-ahead holds no more memory than without the pool)."""
         done = [k for k, (fut, _) in self._written.items() if fut.done()]
         for k in done:
             _, buf = self._written.pop(k)
             pooled = sum(len(v) for v in self._pool.values())
             if pooled + len(self._written) < self.depth and _sole_owner(buf):
                 self._pool.setdefault(buf.numel(), []).append(buf)
-            del buf
 
     # -------------------------------------------------------------- the step
     def _check_open(self) -> None:
@@ -498,6 +498,8 @@ class OptimizerOffload:
             for f in self._reads.values():
                 f.cancel()
             self._reads.clear()
+            self._written.clear()
+            self._pool.clear()
         finally:
             if self.io is not None:
                 self.io.close()
@@ -515,10 +517,8 @@ class OptimizerOffload:
 def _sole_owner(buf: torch.Tensor) -> bool:
     """Whether nothing but ``buf`` holds its storage (no state tensor or state dict a caller kept still views it), so
     a read of another chunk may refill it. Without torch's use count (a private API) nothing is reused."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    return use_count(buf.untyped_storage()._cdata) <= 2  # buf's own reference and the temporary storage object
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # <= 2: buf's own and the temporary storage object
+    return use_count is not None and use_count(buf.untyped_storage()._cdata) <= 2
 
 
 class _AfterWrite:
