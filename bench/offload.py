@@ -26,6 +26,12 @@ Speed anchors, raw DeepSpeed ZeRO-3 (``deepspeed.initialize`` + a hand loop, Dee
 * ``ds_nvme_params_bf16``: optimizer and parameters on nvme, ``bf16.enabled`` (DeepSpeed's fp32 parameter swapper
   is broken: it allocates bf16 buffers), against ``nvme_params_bf16`` (V17 with ``precision="bf16-mixed"``).
 
+Planner against the run (nvme arms): before the arms, one 64 MiB write and read through the tier's own I/O backend
+measures the drive (``drive_bytes_per_s``); each nvme arm then reports per rank the planner's nvme bytes per step
+(``planner.offload.offload_traffic_bytes``) and its transfer seconds at that bandwidth (``offload_transfer_s``, no
+overlap; no PCIe term on a CPU-only machine), next to the tier's measured I/O-thread busy seconds per step
+(``planner_vs_measured_io``) and the share of the offloaded step spent waiting (``io_wait_share``).
+
 DeepSpeed's nvme tier needs its ``async_io`` op (Debian's ``libaio-dev``); without it the ``ds_nvme*`` arms fail at
 start with DeepSpeed's own message, and the V17 arms use the thread-pool backend (``io_backend`` in the JSON).
 
@@ -88,6 +94,7 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
     timer = C.StepTimer(args.warmup, args.steps)
     losses: list[float] = []
     info: dict = {"io_wait_s": 0.0, "opt_step_s": 0.0}
+    busy = {"s": 0.0, "after_warmup": 0.0}
 
     class BenchLM(L.LightningModule):
         def __init__(self) -> None:
@@ -121,6 +128,12 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
             info["planned_param_bytes"] = model_state_bytes_per_rank(
                 n, zero_stage=3, dp=world, param_bytes=4, grad_bytes=4, optimizer_bytes=8
             ).param
+            # the tier's I/O threads' busy seconds (reads and writes), for the planner comparison
+            ios = [getattr(offload_of(trainer.optimizers[0]), "io", None), getattr(trainer.strategy.zero.param_offload,
+                                                                                 "io", None)]  # fmt: skip
+            for io in {id(x): x for x in ios if x is not None}.values():
+                for name in ("_read", "_write"):
+                    setattr(io, name, _timed(getattr(io, name), busy))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(outputs["loss"]))
@@ -128,6 +141,8 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
             if off is not None and batch_idx >= args.warmup:
                 info["io_wait_s"] += off.io_wait_s
                 info["opt_step_s"] += off.step_s
+            if batch_idx == args.warmup - 1:
+                busy["after_warmup"] = busy["s"]
             po = trainer.strategy.zero.param_offload
             if po is not None:
                 info["param_disk_bytes"], info["param_resident_bytes"] = po.disk_bytes(), po.resident_bytes()
@@ -161,11 +176,70 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
     t0 = time.perf_counter()
     trainer.fit(BenchLM())
     left = sorted(os.listdir(args.nvme_path)) if arm.startswith("nvme") else []
+    planned = _planned_io(trainer, arm, args)
     C.write_result(
         args._out, timer, shape, world, losses=losses, fit_s=time.perf_counter() - t0,
+        io_busy_s_per_step=(busy["s"] - busy["after_warmup"]) / args.steps if arm.startswith("nvme") else None,
+        **planned,
         io_wait_share=info["io_wait_s"] / info["opt_step_s"] if info["opt_step_s"] else None,
         left_in_nvme_path_after_fit=left, **info,
     )  # fmt: skip
+
+
+def _timed(fn, busy: dict):
+    """``fn`` (an I/O backend's ``_read``/``_write``, run on its threads) adding its seconds to ``busy["s"]``."""
+    import threading
+
+    lock = threading.Lock()
+
+    def wrapped(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            with lock:
+                busy["s"] += time.perf_counter() - t
+
+    return wrapped
+
+
+def _planned_io(trainer, arm: str, args: argparse.Namespace) -> dict:
+    """The planner's nvme traffic of this rank per step (``planner.offload.offload_traffic_bytes``, ZeRO-Infinity §5)
+    and its transfer time at the drive bandwidth measured before the arms ran (``offload_transfer_s``, no overlap:
+    an upper bound). There is no PCIe hop on a CPU-only machine (host memory is the device's), so its term is 0."""
+    from lightning_v17.config import Tier
+    from lightning_v17.planner.offload import OffloadTraffic, offload_traffic_bytes, offload_transfer_s
+
+    if not arm.startswith("nvme") or not args.nvme_bw:
+        return {}
+    params = trainer.lightning_module.parameters()
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    traffic = offload_traffic_bytes(
+        optimizer_partition_params=local, param_partition_params=local, zero_stage=3,
+        param_bytes=4, grad_bytes=4, optimizer_bytes=8, offload_optimizer=Tier.NVME,
+        offload_params=Tier.NVME if arm.startswith("nvme_params") else Tier.NONE,
+    )  # fmt: skip
+    nvme_only = OffloadTraffic(pcie_bytes=0, nvme_bytes=traffic.nvme_bytes)
+    seconds = offload_transfer_s(nvme_only, pcie_bytes_per_s=1.0, nvme_bytes_per_s=args.nvme_bw)
+    return {"planned_nvme_bytes_per_step": traffic.nvme_bytes, "planned_io_s_per_step": seconds}
+
+
+def _drive_bandwidth(folder: str, nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of one write plus one read of ``nbytes`` through the tier's own I/O backend in ``folder``."""
+    from pathlib import Path
+
+    from lightning_v17.engine.nvme import host_buffer, open_io
+
+    io, _ = open_io(folder)
+    buf, path = host_buffer(nbytes), Path(folder) / "bandwidth-probe.bin"
+    buf.fill_(7)
+    t = time.perf_counter()
+    io.write(path, buf).result()
+    io.read(path, nbytes).result()
+    s = time.perf_counter() - t
+    io.close()
+    path.unlink()
+    return 2 * nbytes / s
 
 
 def _deepspeed_worker(args: argparse.Namespace, arm: str) -> None:
@@ -243,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--json-out", default=None, help="also write the JSON here")
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--nvme-bw", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._worker:
@@ -252,10 +327,12 @@ def main(argv: list[str] | None = None) -> dict:
     if any(a not in ARMS for a in arms):
         ap.error(f"--arms: choose from {ARMS}")
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="v17-offload-bench-")
+    # the drive's bandwidth through the tier's own backend, the planner's nvme_bytes_per_s for the comparison
+    nvme_bw = _drive_bandwidth(nvme_path) if any(a.startswith("nvme") for a in arms) else None
     shape = C.GPTShape(**json.loads(args.shape))
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--shape", json.dumps(C.asdict(shape)),
               "--chunk-mb", str(args.chunk_mb), "--nvme-path", nvme_path, "--buffer-count", str(args.buffer_count),
-              "--optimizer", args.optimizer]  # fmt: skip
+              "--optimizer", args.optimizer, *(["--nvme-bw", str(nvme_bw)] if nvme_bw else [])]  # fmt: skip
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     t_start = time.monotonic()
     for rnd in range(args.rounds):
@@ -313,6 +390,14 @@ def main(argv: list[str] | None = None) -> dict:
                              if {a, d} <= set(arms)},
         # median over rounds of the mean over ranks: the share of the offloaded optimizer step spent waiting for I/O
         "io_wait_share": {a: _median_io_wait(runs[a]) for a in arms if not a.startswith("ds_")},
+        # the planner's nvme transfer seconds per step and rank (no overlap, at the probed bandwidth) next to the
+        # tier's measured I/O-thread busy seconds and the step's exposed wait (io_wait_share x offloaded step)
+        "drive_bytes_per_s": nvme_bw,
+        "planner_vs_measured_io": {
+            a: [{k: rk.get(k) for k in ("planned_nvme_bytes_per_step", "planned_io_s_per_step", "io_busy_s_per_step")}
+                for rk in [r for r in runs[a] if r["ok"]][-1]["ranks"]]
+            for a in arms if a.startswith("nvme") and any(r["ok"] for r in runs[a])
+        },
         "results": results, "memory_table": table,
         "losses": losses, "v17_losses_identical": all(v == first for v in v17_losses.values()),
         "wall_s": round(time.monotonic() - t_start, 1),
