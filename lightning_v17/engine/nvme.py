@@ -101,11 +101,8 @@ HOST_BUFFER_MMAP_BYTES = 2**20
 
 def host_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 host tensor of ``nbytes`` for the tier's I/O: large ones in their own anonymous ``mmap`` (zero-filled,
-    page-aligned as O_DIRECT wants), unmapped, so returned to the OS, as soon as the last tensor viewing them is freed.
-
-    Why not glibc: a freed heap buffer may stay in the process (glibc raises its mmap threshold after each large
-    free), so the RSS would not drop; forcing every large allocation to mmap instead (``mallopt``) made each
-    activation a fresh mapping, 28,000 page faults (80 ms of system time) per step of a 3.7M-parameter GPT here."""
+    page-aligned as O_DIRECT wants), unmapped, so returned to the OS, as soon as the last tensor viewing them is freed,
+    whatever glibc's malloc settings (a freed heap buffer may stay in the process and keep the RSS up)."""
     if nbytes < HOST_BUFFER_MMAP_BYTES:
         return torch.zeros(nbytes, dtype=torch.uint8)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)

@@ -213,7 +213,6 @@ class OptimizerOffload:
         #: the planner's optimizer-state bytes this rank puts on the nvme tier (the free-space check's figure)
         self.planned_nvme_bytes = planned_state_bytes(optimizer, nvme_params) if nvme_params else 0
         if nvme_params:
-
             nvme.check_nvme_path(nvme_path, need_bytes=self.planned_nvme_bytes)
         off_cpu = sorted({str(_local(p).device) for p in self.params if _local(p).device.type != "cpu"})
         if off_cpu:
@@ -531,9 +530,6 @@ class _AfterWrite:
     def result(self) -> torch.Tensor:
         self.write.result()
         return self.buf
-
-    def done(self) -> bool:
-        return self.write.done()
 
     def cancel(self) -> bool:
         return False
