@@ -319,6 +319,16 @@ class OffloadPolicy:
         chunk_mb: MiB of a rank's fp32 parameter elements whose optimizer state steps (and moves) together, the unit
             of the offloaded step (like DeepSpeed's ``zero_optimization.sub_group_size``, which counts elements; not mapped from a
             DeepSpeed config, where it also sizes the step without offload).
+        host_memory: how an nvme tier sets glibc's malloc (None: "return"; only with an nvme tier). "return" fixes
+            its mmap threshold at 1 MiB for the whole process: every host allocation of 1 MiB or more is its own
+            mapping and leaves the RSS when freed, so the offloaded bytes leave whatever the heap's fragmentation
+            (103M-param GPT on CPU: peak RSS drop 0.85x the planned optimizer state), but host allocations of that
+            size that recur every step (the activations of CPU-only training; few when they live on an accelerator)
+            are faulted in anew each step. "recycle" gives allocations their own mappings only where the tier's own
+            happen (the first step, checkpoint loads) and lets the heap recycle the rest: faster on CPU, but glibc's
+            fragmentation keeps part of the offloaded bytes resident. ``bench/offload.py`` measures both
+            (``nvme`` / ``nvme_recycle``). With ``params="nvme"`` only "return" applies (the parameter tier frees
+            and refills shard storages every step).
     """
 
     optimizer: Tier = Tier.NONE
@@ -327,6 +337,7 @@ class OffloadPolicy:
     optimizer_ratio: float = 1.0
     buffer_count: int = 2
     chunk_mb: float = 4.0
+    host_memory: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "offload_optimizer"))
@@ -348,6 +359,19 @@ class OffloadPolicy:
             )
         if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, (int, float)) or not self.chunk_mb > 0:
             raise V17ConfigError(f"offload chunk_mb={self.chunk_mb!r} must be a positive number of MiB")
+        if self.host_memory is not None:
+            if self.host_memory not in ("return", "recycle"):
+                raise V17ConfigError(f"offload host_memory={self.host_memory!r} must be 'return' or 'recycle'")
+            if Tier.NVME not in (self.optimizer, self.params):
+                raise V17ConfigError(
+                    f"offload host_memory={self.host_memory!r} sets glibc's malloc for an nvme tier, and there is "
+                    "none; drop host_memory or set offload_optimizer='nvme'"
+                )
+            if self.host_memory == "recycle" and self.params == Tier.NVME:
+                raise V17ConfigError(
+                    "offload host_memory='recycle' cannot apply with offload_params='nvme' (the parameter tier frees "
+                    "and refills shard storages every step: they must be their own mappings); use 'return' or drop it"
+                )
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,15 @@ class ThreadPoolIO:
             os.close(fd)
         return t
 
+    @staticmethod
+    def alloc(nbytes: int) -> torch.Tensor:
+        """A buffer for this backend's reads and writes (:func:`host_buffer`: page-aligned, its own mapping)."""
+        return host_buffer(nbytes)
+
+    @staticmethod
+    def free(t: torch.Tensor) -> None:
+        """Nothing to do: the mapping is unmapped with the last tensor viewing it."""
+
     def write(self, path: Path, t: torch.Tensor) -> Future:
         """Write ``t``'s bytes to ``path`` (whole file) asynchronously; the future holds ``t`` until done."""
         self.bytes_written += t.numel() * t.element_size()

@@ -52,6 +52,10 @@ def prebuild() -> str:
     return "built"
 
 
+_UINT8 = torch.empty(0, dtype=torch.uint8)  # the dtype example new_cpu_locked_tensor takes
+_WARNED: list[int] = []
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous CPU tensor (any dtype), sharing its memory."""
     if t.device.type != "cpu" or not t.is_contiguous():
@@ -75,9 +79,36 @@ class AioIO:
         self._rh = mod.aio_handle(BLOCK_SIZE, QUEUE_DEPTH, False, True, INTRA_OP_PARALLELISM)
         self._wh = mod.aio_handle(BLOCK_SIZE, QUEUE_DEPTH, False, True, INTRA_OP_PARALLELISM)
         self.alignment = int(self._rh.get_alignment())
+        self._locked: dict[int, int] = {}  # data_ptr -> bytes of the page-locked buffers alloc handed out
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="v17-aio-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="v17-aio-write")
         self.bytes_read = self.bytes_written = 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` the op reads and writes directly: page-locked by DeepSpeed's pinned-tensor
+        manager (``new_cpu_locked_tensor``), as DeepSpeed's own swap buffers are. The op copies any other CPU buffer
+        through a bounce buffer it allocates, locks and frees on every call (on the I/O thread: the copies cost CPU
+        and the freed bounce buffers grow that thread's malloc arena). Where ``mlock`` is refused (``ulimit -l``) it
+        falls back to :func:`~.nvme.host_buffer`, logged once. Give it back with :meth:`free` once nothing views it."""
+        try:
+            t = self._rh.new_cpu_locked_tensor(max(nbytes, 1), _UINT8)  # at least 1 byte
+        except RuntimeError as err:
+            t, why = None, str(err).splitlines()[0][:200]
+        else:
+            why = "mlock refused (RLIMIT_MEMLOCK, see `ulimit -l`)"
+        if t is None or t.data_ptr() == 0:
+            if not _WARNED:
+                _WARNED.append(1)
+                log.warning("offload nvme tier: no page-locked buffers (%s): DeepSpeed's op copies through bounce "
+                            "buffers", why)  # fmt: skip
+            return host_buffer(nbytes)
+        self._locked[t.data_ptr()] = nbytes
+        return t  # not a slice: a view keeps its base alive, and the pool's "nothing else views it" check counts it
+
+    def free(self, t: torch.Tensor) -> None:
+        """Unlock and free a buffer from :meth:`alloc` (nothing may view it any more); others are left to the GC."""
+        if self._locked.pop(t.data_ptr(), None) is not None:
+            self._rh.free_cpu_locked_tensor(t)
 
     def _padded(self, n: int) -> int:
         return -(-n // self.alignment) * self.alignment

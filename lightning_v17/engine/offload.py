@@ -39,11 +39,32 @@ Tiers:
   stays one tier up (nvme -> host memory, cpu -> device memory, which is host memory on a CPU-only machine). The
   first chunks go to the tier, so they are the ones read ahead during backward.
 
-Memory really drops on the nvme tier only if freed buffers go back to the OS. glibc serves allocations below its
-mmap threshold (128 KiB, raised dynamically up to 32 MiB after large frees) from heaps it rarely shrinks, so a freed
-chunk could stay in the process's RSS. With an nvme tier this module fixes the threshold at 1 MiB once per process
-(``mallopt(M_MMAP_THRESHOLD)``, which also stops the dynamic raise): every state tensor and read buffer of 1 MiB or
-more is its own mapping, unmapped when freed; and it calls ``malloc_trim(0)`` after each step for the small rest.
+Buffers (DeepSpeed's swap buffers): the nvme chunks' state lives in at most ``2 * buffer_count - 1`` buffers of the
+largest chunk's size (one chunk stepping, ``buffer_count - 1`` read ahead, as many being written back), allocated
+through the I/O backend and recycled from chunk to chunk. DeepSpeed's op gets page-locked ones from its own
+pinned-tensor manager, which it reads and writes directly (it copies any other CPU buffer through a bounce buffer it
+allocates, locks and frees per call); the thread pool gets :func:`~.nvme.host_buffer` mappings. Once the next step's
+reads ahead are issued, the idle buffers are given back, so that forward and backward, where a process's memory
+peaks, hold only the read-ahead and the last write-backs; the step allocates the rest again.
+
+Memory really drops on the nvme tier only if the state leaves the process, and glibc's heap is where it could stay
+(``OffloadPolicy.host_memory``):
+
+* ``"return"`` (default): glibc's mmap threshold is fixed at 1 MiB for the whole process (``mallopt``, which also
+  ends glibc's dynamic raise of it): every host allocation of 1 MiB or more, the state tensors the optimizer creates
+  in the first step and FSDP2's gradients included, is its own mapping, unmapped when freed, so the heap cannot keep
+  the offloaded bytes (103M-param GPT: peak RSS drop 0.85 / 0.83 of the planned bytes against no offload under the
+  same threshold). The price is paid by allocations of that size that recur every step: on a CPU-only machine the
+  activations are mapped and faulted in anew each step (3.7M-param GPT: 117,560 minor faults per step).
+* ``"recycle"``: only the steps where the tier's own allocations happen run inside :func:`own_mappings` (the first
+  step, where the optimizer creates its state as ordinary tensors that the tier packs into its buffers and frees,
+  and checkpoint loads); afterwards the threshold is 32 MiB, glibc's own dynamic maximum, so forward and backward
+  recycle their allocations in the heap as without the tier (2,818 faults per step). But the heap then fragments
+  as the run goes on (it does without offload too), and that keeps part of the offloaded bytes resident (103M GPT:
+  a drop of 0.67 / 0.73).
+
+``malloc_trim(0)`` after a repack (the first step, a load) returns the small rest; not every step, which would
+return the freed activations too, for the next forward to fault back in.
 
 Checkpoints: :func:`materialized` brings every chunk's state back into ``optimizer.state`` (and restores the
 original ``step``) for the duration of a state-dict read or load, then writes it back to its tier. Saves therefore
@@ -62,8 +83,6 @@ which the next forward all-gathers from).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import time
 from collections.abc import Callable, Generator
@@ -77,8 +96,17 @@ from torch.distributed.tensor import DTensor
 
 from lightning_v17.config import Tier, V17ConfigError
 from lightning_v17.engine import nvme
+from lightning_v17.engine.host_buffers import (  # noqa: F401 - fix_mmap_threshold/trim_heap: importable from here
+    AfterWrite,
+    BufferPool,
+    PooledRead,
+    fix_mmap_threshold,
+    own_mappings,
+    sole_owner,
+    trim_heap,
+)
 
-__all__ = ["OptimizerOffload", "attach_offload", "materialized", "offload_of", "planned_state_bytes"]
+__all__ = ["OptimizerOffload", "attach_offload", "materialized", "offload_of", "own_mappings", "planned_state_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -88,36 +116,6 @@ _PAGE = 4096  # a chunk's buffer and file size: a multiple of the O_DIRECT align
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-# ------------------------------------------------------------------------------------------------ glibc memory
-@functools.cache
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt  # noqa: B018 - glibc only
-        libc.malloc_trim  # noqa: B018
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
-
-
-@functools.cache
-def fix_mmap_threshold(nbytes: int = 2**20) -> bool:
-    """glibc: serve allocations of ``nbytes`` or more with their own mmap, returned to the OS when freed (and stop
-    glibc's dynamic threshold raise). Once per process; False where it is not glibc."""
-    libc = _libc()
-    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, nbytes))
-
-
-def trim_heap() -> None:
-    """glibc ``malloc_trim(0)``: give freed heap memory back to the OS."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 # ------------------------------------------------------------------------------------------------ planner bytes
@@ -177,6 +175,8 @@ class OptimizerOffload:
         params: the :class:`~lightning_v17.engine.param_offload.ParamOffload` of parameters on the nvme tier (then
             ``tier`` may be ``Tier.NONE``): each chunk's parameter shards are read ahead like its state, and written
             back after its step.
+        host_memory: ``OffloadPolicy.host_memory`` with an nvme tier: "return" fixes glibc's mmap threshold at 1 MiB
+            for the process; "recycle" only inside :func:`own_mappings` (module docstring).
     """
 
     def __init__(
@@ -190,8 +190,11 @@ class OptimizerOffload:
         chunk_mb: float = 4.0,
         buffer_count: int = 2,
         params: Any = None,
+        host_memory: str = "return",
     ) -> None:
         tier = Tier.parse(tier, "offload_optimizer")
+        if host_memory not in ("return", "recycle"):
+            raise V17ConfigError(f"offload host_memory={host_memory!r} must be 'return' or 'recycle'")
         if tier == Tier.NONE and params is None:
             raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme' (or parameters on the nvme tier)")
         self.param_tier = params
@@ -225,17 +228,18 @@ class OptimizerOffload:
             self.io, reason = nvme.open_io(self.files.folder)
             self.backend = self.io.name
             _log_backend_once(self.backend, reason)
-            fix_mmap_threshold()  # else glibc keeps freed grads/activations: 103M GPT, peak RSS 1,690 vs 1,137 MB
+            if host_memory == "return":
+                fix_mmap_threshold()  # for the whole process (else own_mappings scopes it to the first step and loads)
         self._inner_step: Callable[..., Any] = optimizer.step
         self._own_step = optimizer.__dict__.get("step")  # an instance-level step to put back at close (else none)
         self._reads: dict[int, Any] = {}
         self._writes: list[Future] = []
         #: chunk -> (its last write, the buffer being written), until a read of the chunk takes it
         self._written: dict[int, tuple[Future, torch.Tensor]] = {}
-        #: buffers of written-back chunks (by size), at most buffer_count - 1: the next reads fill them (DeepSpeed's
-        #: swap buffers, but only the ones the read-ahead holds anyway)
-        self._pool: dict[int, list[torch.Tensor]] = {}
+        #: the nvme chunks' buffers (module docstring): one stepping, buffer_count - 1 read ahead, as many written
+        self.pool = BufferPool(2 * self.depth + 1)
         self._repacked = False
+        self._stepped = False  # the first step creates the state on the heap: it runs inside own_mappings
         self._materialized = False
         self.closed = self.lost_state = False
         #: seconds the last step waited for reads and writes (I/O not hidden behind compute), and its total time
@@ -310,16 +314,16 @@ class OptimizerOffload:
         off = -(-off // _PAGE) * _PAGE  # whole pages: O_DIRECT writes and reads it as is, no padded copy
         c.entries, c.resident, c.order, c.nbytes, c.spilled = entries, resident, order, off, True
         buf, c.buf = c.buf, None
-        if buf is None or buf.numel() != off or any(t.data_ptr() != buf.data_ptr() + o for o, t in tensors):
+        if buf is None or buf.numel() < off or any(t.data_ptr() != buf.data_ptr() + o for o, t in tensors):
             # first step (the optimizer made its own tensors) or state replaced: pack it into one buffer
-            buf = nvme.host_buffer(off)  # its own mapping: freed to the OS when the chunk leaves memory
+            buf = self.pool.take(off, self.io, self._wait_for_one_write)
             self._repacked = True  # the optimizer's own state tensors are freed now: trim the heap after the step
             for o, t in tensors:
                 buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
         # else: every state tensor is still the view of the buffer it was read into, updated in place: write it as is
         del tensors, popped
         self._bound_writes(self.depth)  # as many write-backs in flight as reads ahead (buffer_count - 1)
-        fut = self.io.write(self._path(k), buf)  # type: ignore[union-attr]
+        fut = self.io.write(self._path(k), buf[:off])  # type: ignore[union-attr]
         self._writes.append(fut)
         self._written[k] = (fut, buf)
 
@@ -333,13 +337,10 @@ class OptimizerOffload:
                 # still being written back (the step does not wait for its last writes: they overlap the next
                 # forward/backward): the bytes are in the buffer being written, so no read is needed. The state
                 # becomes views of it again, as a plain optimizer's state stays the same tensors step after step
-                self._reads[k] = _AfterWrite(*pending)
+                self._reads[k] = AfterWrite(*pending)
             else:
-                pool = self._pool.get(c.nbytes)
-                if pool:  # a written-back chunk's buffer: no fresh mapping to fault in
-                    self._reads[k] = self.io.read_into(self._path(k), pool.pop())  # type: ignore[union-attr]
-                else:
-                    self._reads[k] = self.io.read(self._path(k), c.nbytes)  # type: ignore[union-attr]
+                buf = self.pool.take(c.nbytes, self.io, self._wait_for_one_write)
+                self._reads[k] = PooledRead(self.io.read_into(self._path(k), buf[: c.nbytes]), buf)  # type: ignore[union-attr]
 
     def _install(self, k: int) -> None:
         """Wait for chunk k's read and put its state back into ``optimizer.state`` (views of the read buffer)."""
@@ -372,14 +373,16 @@ class OptimizerOffload:
         self._prune()
 
     def _prune(self) -> None:
-        """Forget finished writes; keep their buffers for the next reads while fewer than ``buffer_count - 1`` are
-        pooled or being written (so the read-ahead holds no more memory than without the pool)."""
-        done = [k for k, (fut, _) in self._written.items() if fut.done()]
-        for k in done:
-            _, buf = self._written.pop(k)
-            pooled = sum(len(v) for v in self._pool.values())
-            if pooled + len(self._written) < self.depth and _sole_owner(buf):
-                self._pool.setdefault(buf.numel(), []).append(buf)
+        """Forget finished writes and give their buffers back to the pool."""
+        for k in [k for k, (fut, _) in self._written.items() if fut.done()]:
+            self.pool.give_back(self._written.pop(k)[1], self.io)
+
+    def _wait_for_one_write(self) -> bool:
+        """Wait for the oldest write-back in flight (its buffer goes back to the pool); False when there is none."""
+        if not self._writes:
+            return False
+        self._bound_writes(len(self._writes) - 1)
+        return True
 
     # -------------------------------------------------------------- the step
     def _check_open(self) -> None:
@@ -397,11 +400,27 @@ class OptimizerOffload:
         self.io_wait_s = 0.0
         for k in range(min(self.depth, len(self.chunks))):
             self._read(k)  # read ahead while the closure runs forward and backward
+        self._prune()
+        self.pool.shrink(self.io)  # no idle buffer through forward/backward, where the process's memory peaks
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         t_closure = time.perf_counter() - t_start
+        with own_mappings() if self.files is not None and not self._stepped else _nothing():
+            self._step_chunks()
+        self._stepped = True
+        if self._repacked:
+            # once (first step, or a load replaced the state): give the heap the optimizer's own tensors lived on
+            # back to the OS. Not every step: trimming returns the freed activations too, which the next forward
+            # then faults back in (8,000 page faults a step for a 3.7M-parameter GPT here)
+            trim_heap()
+            self._repacked = False
+        self.step_s = time.perf_counter() - t_start - t_closure
+        return loss
+
+    def _step_chunks(self) -> None:
+        """The optimizer's own step over each chunk in turn, with the reads ahead and the write-backs."""
         opt = self.optimizer
         pt = self.param_tier
         precs = [pt.recs_of(self.params[i] for i in c.params) for c in self.chunks] if pt is not None else []
@@ -444,14 +463,6 @@ class OptimizerOffload:
             # and disk_bytes wait for them
             if pt is not None:
                 pt.flush()
-        if self._repacked:
-            # once (first step, or a load replaced the state): give the heap the optimizer's own tensors lived on
-            # back to the OS. Not every step: trimming returns the freed activations too, which the next forward
-            # then faults back in (8,000 page faults a step for a 3.7M-parameter GPT here)
-            trim_heap()
-            self._repacked = False
-        self.step_s = time.perf_counter() - t_start - t_closure
-        return loss
 
     # -------------------------------------------------------------- checkpoints and lifetime
     @contextmanager
@@ -463,22 +474,25 @@ class OptimizerOffload:
             yield
             return
         self._bound_writes(0)
-        for k in range(len(self.chunks)):
-            self._install(k)
-        self._materialized = True
-        self.optimizer.step = self._inner_step  # type: ignore[method-assign]
-        try:
-            with self.param_tier.resident() if self.param_tier is not None else _nothing():
-                yield  # (a state-dict read of an empty state runs a zero-lr step over the parameters)
-        finally:
-            self.optimizer.step = self.step  # type: ignore[method-assign]
-            self._materialized = False
-            for k, c in enumerate(self.chunks):
-                if c.tier == Tier.NVME:
-                    self._spill(k)
-            self._bound_writes(0)
-            if self.files is not None:
-                trim_heap()
+        # a load creates the state anew as ordinary tensors, which the spill below packs and frees (see the module
+        # docstring): their own mappings, not holes in the heap
+        with own_mappings() if self.files is not None else _nothing():
+            for k in range(len(self.chunks)):
+                self._install(k)
+            self._materialized = True
+            self.optimizer.step = self._inner_step  # type: ignore[method-assign]
+            try:
+                with self.param_tier.resident() if self.param_tier is not None else _nothing():
+                    yield  # (a state-dict read of an empty state runs a zero-lr step over the parameters)
+            finally:
+                self.optimizer.step = self.step  # type: ignore[method-assign]
+                self._materialized = False
+                for k, c in enumerate(self.chunks):
+                    if c.tier == Tier.NVME:
+                        self._spill(k)
+                self._bound_writes(0)
+        if self.files is not None:
+            trim_heap()
 
     def disk_bytes(self) -> int:
         """Bytes of this optimizer's files on the nvme tier now (0 without one)."""
@@ -495,10 +509,15 @@ class OptimizerOffload:
         try:
             self._bound_writes(0)
             for f in self._reads.values():
-                f.cancel()
+                try:
+                    f.result()  # a read may still be filling a pooled buffer: never free it under the I/O
+                except Exception as err:  # noqa: BLE001 - the state is dropped anyway
+                    log.debug("offload close: a pending read failed (%s)", err)
             self._reads.clear()
             self._written.clear()
-            self._pool.clear()
+            for c in self.chunks:  # installed state keeps its buffer (the optimizer still holds it)
+                c.buf = None
+            self.pool.close(self.io)
         finally:
             if self.io is not None:
                 self.io.close()
@@ -511,28 +530,6 @@ class OptimizerOffload:
                     del self.optimizer.__dict__["step"]  # the class's step again
             for c in self.chunks:  # what only the nvme files held is gone now
                 c.entries, c.resident, c.spilled, c.buf = [], {}, False, None
-
-
-def _sole_owner(buf: torch.Tensor) -> bool:
-    """Whether nothing but ``buf`` holds its storage (no state tensor or state dict a caller kept still views it), so
-    a read of another chunk may refill it. Without torch's use count (a private API) nothing is reused."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)  # <= 2: buf's own and the temporary storage object
-    return use_count is not None and use_count(buf.untyped_storage()._cdata) <= 2
-
-
-class _AfterWrite:
-    """A read of a chunk whose write-back is still in flight: its result is the buffer being written, once written
-    (``result`` re-raises a failed write, as the write's own future would)."""
-
-    def __init__(self, write: Future, buf: torch.Tensor) -> None:
-        self.write, self.buf = write, buf
-
-    def result(self) -> torch.Tensor:
-        self.write.result()
-        return self.buf
-
-    def cancel(self) -> bool:
-        return False
 
 
 _LOGGED: set[str] = set()
@@ -559,6 +556,7 @@ def attach_offload(
     chunk_mb: float = 4.0,
     buffer_count: int = 2,
     params: Any = None,
+    host_memory: str = "return",
 ) -> OptimizerOffload:
     """Put ``optimizer``'s state on ``tier`` (see :class:`OptimizerOffload`); a ``LightningOptimizer`` is unwrapped.
 
@@ -572,7 +570,7 @@ def attach_offload(
         return existing
     return OptimizerOffload(
         opt, tier=Tier.parse(tier, "offload_optimizer"), nvme_path=nvme_path, ratio=ratio, rank=rank,
-        chunk_mb=chunk_mb, buffer_count=buffer_count, params=params,
+        chunk_mb=chunk_mb, buffer_count=buffer_count, params=params, host_memory=host_memory,
     )  # fmt: skip
 
 

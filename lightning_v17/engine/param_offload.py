@@ -101,7 +101,7 @@ class ParamOffload:
         self, units: Sequence[nn.Module], *, nvme_path: str, rank: int = 0, prefetch_units: int = 1, buffer_count: int = 2
     ) -> None:
         from lightning_v17.engine import nvme
-        from lightning_v17.engine.offload import fix_mmap_threshold
+        from lightning_v17.engine.host_buffers import fix_mmap_threshold
 
         self.groups = [g for g in (_groups_of(m) for m in units) if g is not None]
         if not self.groups:

@@ -143,7 +143,8 @@ class ZeroBackend:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.offloads = [
                 attach_offload(opt, tier=offload.optimizer, nvme_path=offload.nvme_path, ratio=offload.optimizer_ratio,
-                               rank=rank, buffer_count=offload.buffer_count, chunk_mb=offload.chunk_mb, params=params)
+                               rank=rank, buffer_count=offload.buffer_count, chunk_mb=offload.chunk_mb, params=params,
+                               host_memory=offload.host_memory or "return")
                 for opt in optimizers
             ]  # fmt: skip
         from lightning_v17.optim.local_shards import enable_local_step

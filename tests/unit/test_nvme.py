@@ -84,6 +84,7 @@ def test_file_sets_are_per_run_and_removed(tmp_path) -> None:
 def test_offload_policy_values() -> None:
     p = OffloadPolicy(optimizer="nvme", nvme_path="/x", optimizer_ratio=0.25, buffer_count=3)
     assert (p.optimizer, p.optimizer_ratio, p.buffer_count) == (Tier.NVME, 0.25, 3)
+    assert p.host_memory is None and OffloadPolicy(optimizer="nvme", nvme_path="/x", host_memory="recycle").host_memory
     for kw, match in (
         ({"optimizer": "nvme", "nvme_path": "/x", "optimizer_ratio": 0.0}, r"offload_optimizer_ratio=0.0 must be"),
         ({"optimizer": "nvme", "nvme_path": "/x", "optimizer_ratio": 1.5}, r"offload_optimizer_ratio=1.5 must be"),
@@ -91,6 +92,10 @@ def test_offload_policy_values() -> None:
         ({"optimizer": "cpu", "buffer_count": 1}, r"buffer_count=1 must be an integer >= 2"),
         ({"optimizer": "cpu", "chunk_mb": 0}, r"chunk_mb=0 must be a positive"),
         ({"optimizer": "nvme"}, r"an 'nvme' offload tier needs nvme_path="),
+        ({"optimizer": "nvme", "nvme_path": "/x", "host_memory": "keep"}, r"host_memory='keep' must be 'return' or"),
+        ({"optimizer": "cpu", "host_memory": "recycle"}, r"sets glibc's malloc for an nvme tier, and there is none"),
+        ({"optimizer": "nvme", "params": "nvme", "nvme_path": "/x", "host_memory": "recycle"},
+         r"'recycle' cannot apply with offload_params='nvme'"),
     ):
         with pytest.raises(V17ConfigError, match=match):
             OffloadPolicy(**kw)

@@ -83,3 +83,43 @@ def test_rewrite_shorter_leaves_no_stale_tail_and_truncation_is_refused(aio, tmp
 def test_unavailable_reason_names_the_cause(tmp_path):
     io, reason = aio_backend_or_reason(Path(tmp_path) / "missing-dir")
     assert io is None and "async_io" in reason
+
+
+def test_alloc_gives_page_locked_buffers_the_op_uses_directly(aio, tmp_path):
+    """``alloc``'s buffers are what DeepSpeed's op reads and writes without its per-call bounce buffer (its own
+    ``is_pinned`` predicate, the one ``cpu_op_desc_t`` applies), round-trip byte-exact, and are freed by ``free``."""
+    buf = aio.alloc(3 * 4096)
+    assert buf.numel() == 3 * 4096 and buf.data_ptr() % 4096 == 0
+    assert aio._rh.is_pinned(buf) and aio._rh.is_pinned(buf[:4096])
+    assert not aio._rh.is_pinned(torch.empty(3 * 4096, dtype=torch.uint8))  # an ordinary tensor would be bounced
+    g = torch.Generator().manual_seed(3)
+    buf.copy_(torch.randint(0, 256, (buf.numel(),), generator=g, dtype=torch.uint8))
+    aio.write(tmp_path / "a.bin", buf).result()
+    assert (tmp_path / "a.bin").read_bytes() == bytes(buf.tolist())
+    (tmp_path / "b.bin").write_bytes(bytes(range(256)) * 48)  # written by plain Python, read into the buffer
+    aio.read_into(tmp_path / "b.bin", buf).result()
+    assert bytes(buf.tolist()) == bytes(range(256)) * 48
+    aio.free(buf)
+    assert not aio._locked
+
+
+def test_alloc_falls_back_to_a_host_buffer_when_locking_is_refused(aio, caplog):
+    class Refusing:
+        def __init__(self, real):
+            self.real = real
+
+        def new_cpu_locked_tensor(self, *a):
+            raise RuntimeError("mlock failed")
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    from lightning_v17.engine import nvme_aio
+
+    aio._rh = Refusing(aio._rh)
+    nvme_aio._WARNED.clear()
+    with caplog.at_level("WARNING", logger="lightning_v17.engine.nvme_aio"):
+        buf = aio.alloc(8192)
+    assert buf.numel() == 8192 and not aio._rh.is_pinned(buf) and not aio._locked
+    assert "no page-locked buffers" in caplog.text and "mlock failed" in caplog.text
+    aio.free(buf)  # not one of the op's: nothing to free

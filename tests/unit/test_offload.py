@@ -10,6 +10,7 @@ a load writes them back to the tier.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -46,10 +47,11 @@ def _build(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _train(
-    name: str, offload: dict | None, *, probe=None, setup=None
+    name: str, offload: dict | None, *, probe=None, setup=None, in_closure=None
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, list]:
     """5 steps of ``name`` on the tiny LM; ``offload``: attach_offload's arguments (chunk_mb defaults to CHUNK_MB);
-    ``setup(optimizer)`` runs before the first step, ``probe(optimizer)`` after each."""
+    ``setup(optimizer)`` runs before the first step, ``probe(optimizer)`` after each, ``in_closure(optimizer)`` at the
+    start of each closure (forward/backward)."""
     model = make_model()
     opt = _build(name, model)
     if offload is not None:
@@ -62,6 +64,8 @@ def _train(
         opt.zero_grad()
 
         def closure(s=s):
+            if in_closure is not None:
+                in_closure(opt)
             loss = loss_fn(model(x[s * BATCH : (s + 1) * BATCH]), y[s * BATCH : (s + 1) * BATCH])
             loss.backward()
             return loss
@@ -249,18 +253,18 @@ def test_write_back_overlaps_the_next_step(tmp_path) -> None:
 
         off.io = SlowWrites()
 
-    orig = engine._AfterWrite.__init__
+    orig = engine.AfterWrite.__init__
 
     def spy(self, write, buf):
         taken.append(1)
         orig(self, write, buf)
 
-    engine._AfterWrite.__init__ = spy
+    engine.AfterWrite.__init__ = spy
     try:
         kw = {"tier": "nvme", "nvme_path": str(tmp_path), "chunk_mb": n_bytes / 2 / 2**20 * 0.9}
         model, opt, losses = _train("adamw", kw, setup=slow_writes)
     finally:
-        engine._AfterWrite.__init__ = orig
+        engine.AfterWrite.__init__ = orig
     off = offload_of(opt)
     assert taken, "no read took an in-flight write's buffer: the step waited for every write"
     assert losses == ref_losses
@@ -272,35 +276,66 @@ def test_write_back_overlaps_the_next_step(tmp_path) -> None:
     off.close()
 
 
-def test_written_buffers_are_refilled_only_when_nothing_else_views_them(tmp_path) -> None:
-    """Buffers of written-back chunks are refilled by the next reads (no fresh mapping to fault in): with 3-chunk
-    read-ahead over ~7 chunks the pool is used, and 5 steps still equal the plain optimizer bit for bit. A buffer
-    something else still views (a state tensor a caller kept) is never refilled with another chunk's bytes."""
-    from lightning_v17.engine import offload as engine
-
+def test_chunk_buffers_come_from_a_bounded_pool_refilled_only_when_nothing_else_views_them(tmp_path) -> None:
+    """The nvme chunks live in at most ``2 * buffer_count - 1`` buffers (DeepSpeed's swap buffers): over 5 steps of
+    ~7 chunks with 3-chunk read-ahead every read goes into one of them; forward and backward hold no idle buffer (they
+    are given back once the reads ahead are issued), so each step allocates a few again, at most ``buffer_count`` of
+    them, and close frees them all; the steps equal the plain optimizer bit for bit. A state tensor a caller kept from a state-dict read still views its buffer: that buffer is never refilled
+    with another chunk's bytes (the kept tensor keeps its values through 3 more steps), and the steps stay exact."""
     ref_model, _, ref_losses = _train("adamw", None)
-    refills: list[int] = []
+    into_pool: list[bool] = []
+    allocations: list[int] = []
+    kept: list[torch.Tensor] = []
+    idle: list[int] = []
 
-    def count_refills(opt) -> None:
-        io = offload_of(opt).io
-        real = io.read_into
+    def in_closure(opt) -> None:  # during forward/backward: the pool holds the reads ahead, no idle buffer
+        idle.append(len(offload_of(opt).pool.free))
+
+    def watch_reads(opt) -> None:
+        off = offload_of(opt)
+        real = off.io.read_into
 
         def read_into(path, t):
-            refills.append(t.numel())
+            into_pool.append(any(b.data_ptr() == t.data_ptr() for b in off.pool.owned.values()))
             return real(path, t)
 
-        io.read_into = read_into
+        off.io.read_into = read_into
+
+    def count(opt) -> None:
+        allocations.append(offload_of(opt).pool.allocations)
+        assert len(offload_of(opt).pool.owned) <= offload_of(opt).pool.cap
+
+    def keep(opt) -> None:
+        if not kept:  # after step 1: a caller keeps a state tensor of the first chunk
+            with materialized(opt):
+                t = opt.state[opt.param_groups[0]["params"][0]]["exp_avg"]
+                kept.extend([t, t.clone()])
 
     kw = {"tier": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4}
-    model, opt, losses = _train("adamw", kw, setup=count_refills)
-    assert len(offload_of(opt).chunks) >= 6 and refills, "the pool of written-back buffers was never used"
-    assert losses == ref_losses
-    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
-        assert torch.equal(p, q), n
-    offload_of(opt).close()
+    runs = [_train("adamw", kw, setup=watch_reads, probe=count, in_closure=in_closure), _train("adamw", kw, probe=keep)]
+    off = offload_of(runs[0][1])
+    assert len(off.chunks) >= 6 and off.pool.cap == 7
+    assert into_pool and all(into_pool), f"{into_pool.count(False)} of {len(into_pool)} reads outside the pool"
+    per_step = [b - a for a, b in itertools.pairwise(allocations)]
+    # (how many are still being written when forward starts depends on the I/O's timing: not a constant)
+    assert max(per_step) <= off.pool.cap - off.depth, f"allocated: {allocations}"
+    assert idle and not any(idle), f"idle pool buffers held through forward/backward: {idle}"
+    assert torch.equal(kept[0], kept[1]), "a buffer a kept state tensor views was refilled with other bytes"
+    for model, opt, losses in runs:
+        assert losses == ref_losses
+        for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+            assert torch.equal(p, q), n
+    off.close()
+    assert not off.pool.owned and not getattr(off.io, "_locked", None), "close left pool buffers allocated"
+    offload_of(runs[1][1]).close()
+
+
+def test_sole_owner_counts_views() -> None:
+    from lightning_v17.engine import offload as engine
+
     buf = engine.nvme.host_buffer(2**20)
-    assert engine._sole_owner(buf)
+    assert engine.sole_owner(buf)
     kept = buf[64:128].view(torch.float32)  # e.g. a state tensor of that chunk a caller still holds
-    assert not engine._sole_owner(buf)
+    assert not engine.sole_owner(buf)
     del kept
-    assert engine._sole_owner(buf)
+    assert engine.sole_owner(buf)

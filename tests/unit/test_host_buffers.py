@@ -1,0 +1,81 @@
+"""glibc settings of the offload tiers (``lightning_v17/engine/host_buffers.py``), in a fresh process each: mallopt
+changes the whole process, so the test process itself is left alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lightning_v17.engine.host_buffers import _libc
+
+_MALLINFO = r"""
+import ctypes, torch
+from lightning_v17.engine import host_buffers as hb
+
+class MI2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MI2
+
+def mapped_by(nbytes):
+    '''bytes malloc serves from their own mappings (mallinfo2's hblkhd) while a tensor of nbytes is alive'''
+    m0 = libc.mallinfo2().hblkhd
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    m = libc.mallinfo2().hblkhd - m0
+    del t
+    return m
+"""
+
+
+def _run(body: str) -> list[int]:
+    cmd = [sys.executable, "-c", _MALLINFO + body]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [int(x) for x in out.stdout.strip().splitlines()[-1].split()]  # the last line: DeepSpeed logs to stdout
+
+
+def _glibc_skip() -> None:
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        pytest.skip("not glibc >= 2.33 (no mallopt/mallinfo2): own_mappings does nothing there")
+
+
+def test_own_mappings_maps_state_sized_allocations_inside_and_lets_the_heap_recycle_them_after() -> None:
+    """Inside (the second time: the threshold before is the 32 MiB the first left), a 4 MiB tensor is its own
+    mapping; after, a 4 MiB tensor comes from the heap (recycled, not faulted in anew), and a 64 MiB one is mapped."""
+    _glibc_skip()
+    inside, after, large = _run(
+        "with hb.own_mappings():\n    pass\n"
+        "with hb.own_mappings():\n    inside = mapped_by(4 * 2**20)\n"
+        "print(inside, mapped_by(4 * 2**20), mapped_by(64 * 2**20))\n"
+    )
+    assert inside >= 4 * 2**20, "inside own_mappings a 4 MiB allocation was not its own mapping"
+    assert after == 0, "after own_mappings a 4 MiB allocation was still mapped (threshold not back at 32 MiB)"
+    assert large >= 64 * 2**20
+
+
+def test_a_process_wide_threshold_is_kept() -> None:
+    """Where the parameter tier fixed the threshold for the process (1 MiB), own_mappings leaves it: after it, a
+    4 MiB tensor is still its own mapping."""
+    _glibc_skip()
+    (after,) = _run("hb.fix_mmap_threshold()\nwith hb.own_mappings():\n    pass\nprint(mapped_by(4 * 2**20))\n")
+    assert after >= 4 * 2**20
+
+
+@pytest.mark.parametrize("host_memory,mapped", [("return", True), ("recycle", False)])
+def test_the_optimizer_tier_honours_host_memory(tmp_path, host_memory: str, mapped: bool) -> None:
+    """After 3 offloaded steps on the nvme tier, a 4 MiB host allocation is its own mapping under "return" (the
+    process-wide 1 MiB threshold) and comes from the heap under "recycle" (own mappings only in the first step)."""
+    _glibc_skip()
+    (after,) = _run(
+        "from tests.unit.test_offload import _train, STEPS\n"
+        "import tests.unit.test_offload as t\n"
+        "t.STEPS = 3\n"
+        f"_train('adamw', {{'tier': 'nvme', 'nvme_path': {str(tmp_path)!r}, 'host_memory': {host_memory!r}}})\n"
+        "print(mapped_by(4 * 2**20))\n"
+    )
+    assert (after >= 4 * 2**20) == mapped, after
