@@ -223,6 +223,8 @@ class StepTimer:
         self.t1: float | None = None
         self.cpu0: float | None = None
         self.cpu1: float | None = None
+        self.ru0: Any = None  # getrusage at the window's ends: system time and minor page faults of the process
+        self.ru1: Any = None
         self.step_s: list[float] = []
         self._last: float | None = None
 
@@ -237,11 +239,13 @@ class StepTimer:
             dist.barrier()
             self.t0 = time.perf_counter()
             self.cpu0 = time.process_time()
+            self.ru0 = resource.getrusage(resource.RUSAGE_SELF)
             self._last = self.t0
             COMM.active = True
         elif step == self.warmup + self.steps - 1:
             COMM.active = False
             self.cpu1 = time.process_time()  # before the barrier: waiting for the other rank is not our work
+            self.ru1 = resource.getrusage(resource.RUSAGE_SELF)
             dist.barrier()
             self.t1 = time.perf_counter()
 
@@ -262,6 +266,9 @@ def write_result(path: str, timer: StepTimer, shape: GPTShape, world_size: int, 
         "tokens_per_s": tokens / secs,
         "peak_rss_mb": peak_rss_mb(),
         "cpu_s": timer.cpu1 - timer.cpu0,
+        # the timed window's system CPU seconds and minor page faults per step (allocator and I/O costs)
+        "sys_s_per_step": (timer.ru1.ru_stime - timer.ru0.ru_stime) / timer.steps if timer.ru1 else None,
+        "minor_faults_per_step": (timer.ru1.ru_minflt - timer.ru0.ru_minflt) / timer.steps if timer.ru1 else None,
         "rank_tokens": shape.batch * shape.seq * timer.steps,
         "num_threads": torch.get_num_threads(),
         "step_s_median": statistics.median(timer.step_s) if timer.step_s else None,
@@ -384,6 +391,9 @@ def summarize(runs: list[dict]) -> dict:
         "rounds_tokens_per_s": [round(r["ranks"][0]["tokens_per_s"], 1) for r in ok],
         "rounds_tokens_per_cpu_s": [round(_per_cpu_s(r), 1) for r in ok],
         "step_s_median": [round(r["ranks"][0]["step_s_median"], 4) for r in ok if r["ranks"][0]["step_s_median"]],
+        # rank 0, each round: system CPU seconds and minor page faults per timed step
+        "sys_s_per_step": [_round(r["ranks"][0].get("sys_s_per_step"), 4) for r in ok],
+        "minor_faults_per_step": [_round(r["ranks"][0].get("minor_faults_per_step"), 0) for r in ok],
         # median over rounds of the mean over ranks (None for results written before the CommTimer existed)
         "exposed_comm_share": _median_comm(ok),
         "rounds_exposed_comm_share": [_mean_comm(r) for r in ok],
@@ -394,6 +404,10 @@ def summarize(runs: list[dict]) -> dict:
     if bad:
         out["failed_rounds"] = bad
     return out
+
+
+def _round(x: float | None, n: int) -> float | None:
+    return None if x is None else round(x, n)
 
 
 def _mean_comm(run: dict) -> float | None:

@@ -7,7 +7,12 @@ of the rank's shard), the peak RSS (``ru_maxrss``), the drop against ``none`` as
 (target >= 0.8 for nvme), the bytes of the rank's files on the nvme tier after the last step, and the losses (which
 must be identical across arms).
 
-``nvme_params`` adds ``offload_params="nvme"`` to the nvme arm (ZeRO-Infinity: the parameter shards on nvme too,
+``nvme_recycle`` is the nvme arm with ``OffloadPolicy(host_memory="recycle")`` (glibc's heap recycles forward/backward
+allocations; the default "return" fixes its mmap threshold at 1 MiB for the process): faster on this CPU-only machine,
+where activations are host allocations, but heap fragmentation keeps part of the offloaded bytes resident. Each
+result also has rank 0's system CPU seconds and minor page faults per timed step.
+
+``nvme_params`` adds ``offload_params="nvme" to the nvme arm (ZeRO-Infinity: the parameter shards on nvme too,
 ``lightning_v17/engine/param_offload.py``); its row gives the planner's fp32 parameter shard of the rank
 (``planned_param_bytes``: 4 B/param over dp=2, ``model_state_bytes_per_rank``), the bytes of the rank's parameter
 files and of shards left in memory after the last step, and the RSS drop against the ``nvme`` arm as a fraction of
@@ -57,6 +62,8 @@ from bench import _common as C
 #: share of the RSS drop from the offload's)
 #: nvme_mmap: the nvme arm with that mmap threshold (the parameter tier sets it: its shards are freed with resize_, and
 #: a glibc heap would keep them), the baseline of nvme_params' own drop
+#: nvme_recycle: the nvme arm with OffloadPolicy(host_memory="recycle"): glibc's heap recycles forward/backward
+#: allocations instead of the default's process-wide 1 MiB mmap threshold (config.OffloadPolicy)
 #: nvme_params: offload_optimizer="nvme" and offload_params="nvme" (ZeRO-Infinity: the parameter shards on nvme too);
 #: nvme_params_bf16: the same under precision="bf16-mixed"
 #: ds_*: raw DeepSpeed ZeRO-3 with DeepSpeedCPUAdam, the same tiers (module docstring)
@@ -65,6 +72,7 @@ ARMS = (
     "none_mmap",
     "cpu",
     "nvme",
+    "nvme_recycle",
     "nvme_mmap",
     "nvme_params",
     "nvme_params_bf16",
@@ -73,7 +81,7 @@ ARMS = (
     "ds_nvme_params_bf16",
 )
 #: ours -> DeepSpeed's arm with the same tiers and precision
-DS_ANCHOR = {"cpu": "ds_cpu", "nvme": "ds_nvme", "nvme_params_bf16": "ds_nvme_params_bf16"}
+DS_ANCHOR = {"cpu": "ds_cpu", "nvme": "ds_nvme", "nvme_recycle": "ds_nvme", "nvme_params_bf16": "ds_nvme_params_bf16"}
 LR, WEIGHT_DECAY = 1e-4, 0.01
 #: >= 100M parameters (103.3M): 8 blocks of width 1024; short sequences keep a step near a second on 2 cores
 DEFAULT_SHAPE = {"vocab": 1024, "hidden": 1024, "layers": 8, "heads": 16, "seq": 64, "batch": 1}
@@ -163,9 +171,10 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
         offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb,
                                 buffer_count=args.buffer_count)  # fmt: skip
     elif arm != "none":
-        tier = arm.removesuffix("_mmap")
+        tier = arm.removesuffix("_mmap").removesuffix("_recycle")
         offload = OffloadPolicy(optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None,
-                                chunk_mb=args.chunk_mb, buffer_count=args.buffer_count)  # fmt: skip
+                                chunk_mb=args.chunk_mb, buffer_count=args.buffer_count,
+                                host_memory="recycle" if arm.endswith("_recycle") else None)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=V17Strategy(zero_stage=3, offload=offload),
         precision="bf16-mixed" if arm.endswith("_bf16") else "32-true",
