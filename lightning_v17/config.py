@@ -15,22 +15,14 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
+from lightning_v17.config_errors import V17ConfigError, parse_enum
+from lightning_v17.fp8_policy import FP8Backend, FP8Policy, FP8Recipe
 
-class V17ConfigError(ValueError):
-    """A user-facing configuration error. The message names the option and the fix."""
-
-
-def parse_enum(enum_cls: type[StrEnum], value: Any, *, option: str) -> StrEnum:
-    """Parse ``value`` into ``enum_cls`` or raise an error that names ``option`` and lists the valid values."""
-    if isinstance(value, enum_cls):
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().replace("-", "_")
-        for member in enum_cls:
-            if key in (member.value.replace("-", "_"), member.name.lower()):
-                return member
-    valid = ", ".join(repr(m.value) for m in enum_cls)
-    raise V17ConfigError(f"{option}={value!r} is not supported; choose one of {valid}")
+__all__ = [  # the names other modules import from here (the FP8 policy and the errors live in their own files)
+    "Axis", "FP8Backend", "FP8Policy", "FP8Recipe", "HostMemory", "LossScalePolicy", "MeshSpec", "OffloadPolicy", "OptimizerKind",
+    "PipelinePolicy", "Precision", "Recompute", "Schedule", "Tier", "TrainingPolicy", "V17ConfigError", "ZeroPolicy",
+    "check_tp_divides", "divisors", "parse_enum",
+]  # fmt: skip
 
 
 class Axis(StrEnum):
@@ -96,6 +88,13 @@ class Tier(StrEnum):
         if value is None or value is False:
             return cls.NONE
         return parse_enum(cls, value, option=option)  # type: ignore[return-value]
+
+
+class HostMemory(StrEnum):
+    """How an nvme offload tier sets glibc's malloc (``OffloadPolicy.host_memory``)."""
+
+    RETURN = "return"  # mmap threshold 1 MiB for the whole process: freed host memory leaves the RSS
+    RECYCLE = "recycle"  # 1 MiB only where the tier's own allocations happen; the heap recycles the rest
 
 
 class Precision(StrEnum):
@@ -337,7 +336,7 @@ class OffloadPolicy:
     optimizer_ratio: float = 1.0
     buffer_count: int = 2
     chunk_mb: float = 4.0
-    host_memory: str | None = None
+    host_memory: HostMemory | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "offload_optimizer"))
@@ -360,14 +359,13 @@ class OffloadPolicy:
         if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, (int, float)) or not self.chunk_mb > 0:
             raise V17ConfigError(f"offload chunk_mb={self.chunk_mb!r} must be a positive number of MiB")
         if self.host_memory is not None:
-            if self.host_memory not in ("return", "recycle"):
-                raise V17ConfigError(f"offload host_memory={self.host_memory!r} must be 'return' or 'recycle'")
+            object.__setattr__(self, "host_memory", parse_enum(HostMemory, self.host_memory, option="host_memory"))
             if Tier.NVME not in (self.optimizer, self.params):
                 raise V17ConfigError(
-                    f"offload host_memory={self.host_memory!r} sets glibc's malloc for an nvme tier, and there is "
+                    f"offload host_memory={self.host_memory.value!r} sets glibc's malloc for an nvme tier, and there is "
                     "none; drop host_memory or set offload_optimizer='nvme'"
                 )
-            if self.host_memory == "recycle" and self.params == Tier.NVME:
+            if self.host_memory == HostMemory.RECYCLE and self.params == Tier.NVME:
                 raise V17ConfigError(
                     "offload host_memory='recycle' cannot apply with offload_params='nvme' (the parameter tier frees "
                     "and refills shard storages every step: they must be their own mappings); use 'return' or drop it"
@@ -436,116 +434,6 @@ class LossScalePolicy:
         _check_positive_int("max_consecutive_skips", self.max_consecutive_skips)
         if not 0.0 < self.min_scale <= self.init_scale:
             raise V17ConfigError(f"min_scale={self.min_scale} must be in (0, init_scale={self.init_scale}]")
-
-
-class FP8Recipe(StrEnum):
-    """How float8 scales are chosen (Micikevicius 2022, "FP8 Formats for Deep Learning", §3-4; torchao float8 README).
-
-    ``tensorwise``: one dynamic scale per tensor (amax of the whole tensor, computed every step). ``rowwise``: one
-    dynamic scale per row/column along the contraction's outer dims, scales rounded to powers of 2 (more accurate,
-    slower on H100 per the README). ``delayed``: scales from an amax history of earlier steps (Micikevicius 2022 §4.3;
-    Transformer Engine's ``DelayedScaling``); torchao 0.18 removed it (pytorch/ao#1680), so it is ours
-    (``lightning_v17/engine/fp8_delayed.py``).
-    """
-
-    TENSORWISE = "tensorwise"
-    ROWWISE = "rowwise"
-    DELAYED = "delayed"
-
-
-class FP8Backend(StrEnum):
-    """Which library runs the float8 matmuls: ``torchao`` (``Float8Linear``, any device, CPU included), ``te``
-    (NVIDIA Transformer Engine, GPUs of compute capability >= 8.9), ``auto`` (``te`` when installed and the device
-    supports FP8, else ``torchao``; resolved by ``lightning_v17.engine.fp8.resolve_fp8_backend`` for a device)."""
-
-    AUTO = "auto"
-    TORCHAO = "torchao"
-    TE = "te"
-
-
-@dataclass(frozen=True)
-class FP8Policy:
-    """FP8 training of the blocks' ``nn.Linear`` layers (seed §13; ``lightning_v17.engine.fp8``).
-
-    The DeepSpeed JSON config has no FP8 section, so this policy comes only from ``V17Strategy(fp8=...,
-    fp8_backend=..., fp8_skip=...)``.
-
-    Args:
-        recipe: the scaling recipe (:class:`FP8Recipe`).
-        backend: :class:`FP8Backend`.
-        skip: ``fnmatch`` patterns of module FQNs kept in high precision besides the fixed rule (embeddings, the
-            output head, norms and every Linear outside the repeated blocks), e.g. ``("*.w2", "layers.0.*")``.
-        all_gather: ZeRO-3 all-gathers the converted weights in float8 (a quarter of the fp32 bytes; torchao's
-            ``enable_fsdp_float8_all_gather``). None: on for ``tensorwise`` at zero_stage=3, else off. True with
-            ``rowwise`` is refused (torchao quantizes a rowwise weight along a different dim for each of its GEMMs,
-            so no single float8 copy can be gathered); True below zero_stage=3 is refused by the composition check.
-        amax_history_len: ``delayed`` only: steps of amax history each scale is computed from (None: 16,
-            ``engine/fp8_delayed.py``).
-    """
-
-    recipe: FP8Recipe = FP8Recipe.TENSORWISE
-    backend: FP8Backend = FP8Backend.AUTO
-    skip: tuple[str, ...] = ()
-    all_gather: bool | None = None
-    amax_history_len: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recipe", parse_enum(FP8Recipe, self.recipe, option="fp8"))
-        object.__setattr__(self, "backend", parse_enum(FP8Backend, self.backend, option="fp8_backend"))
-        if isinstance(self.skip, str):
-            raise V17ConfigError(f"fp8_skip={self.skip!r} must be a list of FQN patterns, e.g. [{self.skip!r}]")
-        object.__setattr__(self, "skip", tuple(str(s) for s in self.skip))
-        if self.amax_history_len is not None:
-            if self.recipe != FP8Recipe.DELAYED:
-                raise V17ConfigError(
-                    f"fp8_amax_history_len={self.amax_history_len} applies only to fp8='delayed' (got fp8="
-                    f"{self.recipe.value!r}, whose scales are dynamic); set fp8='delayed' or drop it"
-                )
-            if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) or (
-                self.amax_history_len < 1
-            ):
-                raise V17ConfigError(f"fp8_amax_history_len={self.amax_history_len!r} must be a positive integer")
-        if self.all_gather and self.recipe != FP8Recipe.TENSORWISE:
-            raise V17ConfigError(
-                f"fp8_all_gather=True needs fp8='tensorwise' (got fp8={self.recipe.value!r}): torchao gathers one "
-                "float8 copy of each weight, and a rowwise weight is quantized along a different dim for each of its "
-                "GEMMs; use fp8='tensorwise', or fp8_all_gather=None/False"
-            )
-
-    @property
-    def history_len(self) -> int:
-        """``delayed``: the amax history length (``amax_history_len``, default 16)."""
-        return 16 if self.amax_history_len is None else self.amax_history_len
-
-    def float8_all_gather(self, *, zero_stage: int) -> bool:
-        """Whether ZeRO-3 all-gathers the converted weights in float8 at ``zero_stage`` (see ``all_gather``)."""
-        if zero_stage != 3:
-            return False
-        return self.recipe == FP8Recipe.TENSORWISE if self.all_gather is None else bool(self.all_gather)
-
-    @classmethod
-    def from_options(
-        cls, fp8: Any, backend: Any = "auto", skip: Any = (), all_gather: bool | None = None,
-        amax_history_len: int | None = None,
-    ) -> FP8Policy | None:  # fmt: skip
-        """The policy for ``V17Strategy(fp8=, fp8_backend=, fp8_skip=, fp8_all_gather=, fp8_amax_history_len=)``;
-        None when ``fp8`` is None/False.
-
-        Raises:
-            V17ConfigError: an unknown recipe or backend, or ``fp8_backend``/``fp8_skip``/``fp8_all_gather``/
-                ``fp8_amax_history_len`` without fp8.
-        """
-        if fp8 is None or fp8 is False:
-            backend = parse_enum(FP8Backend, backend, option="fp8_backend")
-            unused = [n for n, on in (("fp8_backend", backend != FP8Backend.AUTO), ("fp8_skip", bool(skip)),
-                                      ("fp8_all_gather", all_gather is not None),
-                                      ("fp8_amax_history_len", amax_history_len is not None)) if on]  # fmt: skip
-            if unused:
-                raise V17ConfigError(f"{' and '.join(unused)} apply only with fp8='tensorwise', 'rowwise' or "
-                                     "'delayed'; set fp8 or drop them")  # fmt: skip
-            return None
-        skip = skip if isinstance(skip, str) else tuple(skip or ())
-        return cls(recipe=fp8, backend=backend, skip=skip, all_gather=all_gather, amax_history_len=amax_history_len)
 
 
 @dataclass(frozen=True)
