@@ -60,8 +60,6 @@ from bench import _common as C
 
 #: none_mmap: no offload, but glibc's mmap threshold fixed at 1 MiB as the nvme tier does (separates the allocator's
 #: share of the RSS drop from the offload's)
-#: nvme_mmap: the nvme arm with that mmap threshold (the parameter tier sets it: its shards are freed with resize_, and
-#: a glibc heap would keep them), the baseline of nvme_params' own drop
 #: nvme_recycle: the nvme arm with OffloadPolicy(host_memory="recycle"): glibc's heap recycles forward/backward
 #: allocations instead of the default's process-wide 1 MiB mmap threshold (config.OffloadPolicy)
 #: nvme_params: offload_optimizer="nvme" and offload_params="nvme" (ZeRO-Infinity: the parameter shards on nvme too);
@@ -73,7 +71,6 @@ ARMS = (
     "cpu",
     "nvme",
     "nvme_recycle",
-    "nvme_mmap",
     "nvme_params",
     "nvme_params_bf16",
     "ds_cpu",
@@ -161,17 +158,15 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
             timer.after_step(batch_idx)
 
     offload = None
-    if arm.endswith("_mmap"):
-        from lightning_v17.engine.offload import fix_mmap_threshold
+    if arm == "none_mmap":
+        from lightning_v17.engine.host_buffers import fix_mmap_threshold
 
         fix_mmap_threshold()
-    if arm == "none_mmap":
-        pass
     elif arm.startswith("nvme_params"):
         offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb,
                                 buffer_count=args.buffer_count)  # fmt: skip
     elif arm != "none":
-        tier = arm.removesuffix("_mmap").removesuffix("_recycle")
+        tier = arm.removesuffix("_recycle")
         offload = OffloadPolicy(optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None,
                                 chunk_mb=args.chunk_mb, buffer_count=args.buffer_count,
                                 host_memory="recycle" if arm.endswith("_recycle") else None)  # fmt: skip
@@ -355,9 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = []
     base = results.get("none", {}).get("peak_rss_mb")
     base_mmap = results.get("none_mmap", {}).get("peak_rss_mb")
-    # nvme_params' own drop against the nvme arm under the same allocator setting (the parameter tier sets the mmap
+    # nvme_params' own drop against the nvme arm (both under the default host_memory="return": the same 1 MiB mmap
     # threshold), when that arm ran
-    base_nvme = results.get("nvme_mmap", results.get("nvme", {})).get("peak_rss_mb")
+    base_nvme = results.get("nvme", {}).get("peak_rss_mb")
     for a in arms:
         ok = [r for r in runs[a] if r["ok"]]
         if not ok:

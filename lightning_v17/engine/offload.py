@@ -94,15 +94,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_v17.config import Tier, V17ConfigError
+from lightning_v17.config import HostMemory, Tier, V17ConfigError, parse_enum
 from lightning_v17.engine import nvme
-from lightning_v17.engine.host_buffers import (  # noqa: F401 - fix_mmap_threshold/trim_heap: importable from here
+from lightning_v17.engine.host_buffers import (
     AfterWrite,
     BufferPool,
     PooledRead,
     fix_mmap_threshold,
     own_mappings,
-    sole_owner,
     trim_heap,
 )
 
@@ -190,11 +189,10 @@ class OptimizerOffload:
         chunk_mb: float = 4.0,
         buffer_count: int = 2,
         params: Any = None,
-        host_memory: str = "return",
+        host_memory: HostMemory | str = HostMemory.RETURN,
     ) -> None:
         tier = Tier.parse(tier, "offload_optimizer")
-        if host_memory not in ("return", "recycle"):
-            raise V17ConfigError(f"offload host_memory={host_memory!r} must be 'return' or 'recycle'")
+        host_memory = parse_enum(HostMemory, host_memory, option="host_memory")
         if tier == Tier.NONE and params is None:
             raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme' (or parameters on the nvme tier)")
         self.param_tier = params
@@ -228,7 +226,7 @@ class OptimizerOffload:
             self.io, reason = nvme.open_io(self.files.folder)
             self.backend = self.io.name
             _log_backend_once(self.backend, reason)
-            if host_memory == "return":
+            if host_memory == HostMemory.RETURN:
                 fix_mmap_threshold()  # for the whole process (else own_mappings scopes it to the first step and loads)
         self._inner_step: Callable[..., Any] = optimizer.step
         self._own_step = optimizer.__dict__.get("step")  # an instance-level step to put back at close (else none)
@@ -556,7 +554,7 @@ def attach_offload(
     chunk_mb: float = 4.0,
     buffer_count: int = 2,
     params: Any = None,
-    host_memory: str = "return",
+    host_memory: HostMemory | str = HostMemory.RETURN,
 ) -> OptimizerOffload:
     """Put ``optimizer``'s state on ``tier`` (see :class:`OptimizerOffload`); a ``LightningOptimizer`` is unwrapped.
 

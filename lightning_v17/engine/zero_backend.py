@@ -138,13 +138,14 @@ class ZeroBackend:
         if offload is not None and (offload.optimizer != "none" or params is not None):
             import torch.distributed as dist
 
+            from lightning_v17.config import HostMemory
             from lightning_v17.engine.offload import attach_offload
 
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.offloads = [
                 attach_offload(opt, tier=offload.optimizer, nvme_path=offload.nvme_path, ratio=offload.optimizer_ratio,
                                rank=rank, buffer_count=offload.buffer_count, chunk_mb=offload.chunk_mb, params=params,
-                               host_memory=offload.host_memory or "return")
+                               host_memory=offload.host_memory or HostMemory.RETURN)
                 for opt in optimizers
             ]  # fmt: skip
         from lightning_v17.optim.local_shards import enable_local_step

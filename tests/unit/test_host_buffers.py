@@ -69,13 +69,18 @@ def test_a_process_wide_threshold_is_kept() -> None:
 @pytest.mark.parametrize("host_memory,mapped", [("return", True), ("recycle", False)])
 def test_the_optimizer_tier_honours_host_memory(tmp_path, host_memory: str, mapped: bool) -> None:
     """After 3 offloaded steps on the nvme tier, a 4 MiB host allocation is its own mapping under "return" (the
-    process-wide 1 MiB threshold) and comes from the heap under "recycle" (own mappings only in the first step)."""
+    process-wide 1 MiB threshold) and comes from the heap under "recycle" (own mappings only in the first step); the
+    3 steps equal the plain optimizer's bit for bit either way."""
     _glibc_skip()
-    (after,) = _run(
-        "from tests.unit.test_offload import _train, STEPS\n"
+    after, same = _run(
         "import tests.unit.test_offload as t\n"
         "t.STEPS = 3\n"
-        f"_train('adamw', {{'tier': 'nvme', 'nvme_path': {str(tmp_path)!r}, 'host_memory': {host_memory!r}}})\n"
-        "print(mapped_by(4 * 2**20))\n"
+        "ref_model, _, ref_losses = t._train('adamw', None)\n"
+        f"model, _, losses = t._train('adamw', {{'tier': 'nvme', 'nvme_path': {str(tmp_path)!r}, "
+        f"'host_memory': {host_memory!r}}})\n"
+        "same = losses == ref_losses and all(torch.equal(p, q) for p, q in zip(model.parameters(), "
+        "ref_model.parameters()))\n"
+        "print(mapped_by(4 * 2**20), int(same))\n"
     )
     assert (after >= 4 * 2**20) == mapped, after
+    assert same, f"host_memory={host_memory!r} changed the steps (they must equal the plain optimizer bit for bit)"

@@ -92,7 +92,7 @@ def test_offload_policy_values() -> None:
         ({"optimizer": "cpu", "buffer_count": 1}, r"buffer_count=1 must be an integer >= 2"),
         ({"optimizer": "cpu", "chunk_mb": 0}, r"chunk_mb=0 must be a positive"),
         ({"optimizer": "nvme"}, r"an 'nvme' offload tier needs nvme_path="),
-        ({"optimizer": "nvme", "nvme_path": "/x", "host_memory": "keep"}, r"host_memory='keep' must be 'return' or"),
+        ({"optimizer": "nvme", "nvme_path": "/x", "host_memory": "keep"}, r"host_memory='keep' is not supported; choose one of 'return', 'recycle'"),
         ({"optimizer": "cpu", "host_memory": "recycle"}, r"sets glibc's malloc for an nvme tier, and there is none"),
         ({"optimizer": "nvme", "params": "nvme", "nvme_path": "/x", "host_memory": "recycle"},
          r"'recycle' cannot apply with offload_params='nvme'"),

@@ -331,11 +331,12 @@ def test_chunk_buffers_come_from_a_bounded_pool_refilled_only_when_nothing_else_
 
 
 def test_sole_owner_counts_views() -> None:
-    from lightning_v17.engine import offload as engine
+    from lightning_v17.engine.host_buffers import sole_owner
+    from lightning_v17.engine.nvme import host_buffer
 
-    buf = engine.nvme.host_buffer(2**20)
-    assert engine.sole_owner(buf)
+    buf = host_buffer(2**20)
+    assert sole_owner(buf)
     kept = buf[64:128].view(torch.float32)  # e.g. a state tensor of that chunk a caller still holds
-    assert not engine.sole_owner(buf)
+    assert not sole_owner(buf)
     del kept
-    assert engine.sole_owner(buf)
+    assert sole_owner(buf)
