@@ -324,8 +324,8 @@ class OffloadPolicy:
             (103M-param GPT on CPU: peak RSS drop 0.85x the planned optimizer state), but host allocations of that
             size that recur every step (the activations of CPU-only training; few when they live on an accelerator)
             are faulted in anew each step. "recycle" gives allocations their own mappings only where the tier's own
-            happen (the first step, checkpoint loads) and lets the heap recycle the rest: faster on CPU, but glibc's
-            fragmentation keeps part of the offloaded bytes resident. ``bench/offload.py`` measures both
+            happen (the first step, checkpoint loads) and to the sharded gradients (ZeRO-3), and lets the heap
+            recycle the rest: faster on CPU, but glibc's fragmentation keeps part of the offloaded bytes resident. ``bench/offload.py`` measures both
             (``nvme`` / ``nvme_recycle``). With ``params="nvme"`` only "return" applies (the parameter tier frees
             and refills shard storages every step).
     """

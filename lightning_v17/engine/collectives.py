@@ -40,6 +40,7 @@ __all__ = [
     "all_gather",
     "install_fsdp_comms",
     "is_cpu_gloo",
+    "map_gradient_buffers",
     "reduce_scatter",
     "use_all_to_all",
 ]
@@ -169,7 +170,14 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, *, group: Any, async_op: bo
 
 
 class _Alloc:
+    #: host buffers of at least this many bytes are their own anonymous mappings (:func:`map_gradient_buffers`)
+    mapped_from: int | None = None
+
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.mapped_from is not None and torch.device(device).type == "cpu":
+            from lightning_v17.engine.host_buffers import mapped_empty
+
+            return mapped_empty(size, dtype=dtype, min_bytes=self.mapped_from)
         return torch.empty(size, dtype=dtype, device=device)
 
 
@@ -249,9 +257,26 @@ def install_fsdp_comms(modules: list[Any], group: Any, *, defer_reduce_scatter: 
     deferred = DeferredReduceScatters() if defer_reduce_scatter else None
     for m in modules:
         state = m._get_fsdp_state() if deferred is not None and hasattr(m, "_get_fsdp_state") else None
-        m.set_custom_reduce_scatter(FSDPAllToAllReduceScatter(deferred, state))
+        m._v17_reduce_scatter = rs = FSDPAllToAllReduceScatter(deferred, state)
+        m.set_custom_reduce_scatter(rs)
         m.set_custom_all_gather(ag)
     return True
+
+
+def map_gradient_buffers(module: torch.nn.Module, min_bytes: int | None = 2**20) -> int:
+    """Allocate the reduce-scatter buffers of the FSDP2 units under ``module`` (installed by
+    :func:`install_fsdp_comms`) of ``min_bytes`` or more as their own anonymous mappings, outside glibc's heap
+    (``None``: back to ``torch.empty``). The output buffer *is* the unit's sharded gradient (FSDP2 views it) and lives
+    from the unit's backward to ``zero_grad``, while forward and backward allocate and free around it: on the heap it
+    pins the heap's top and fragments it (the nvme optimizer tier, ``engine/offload.py``, wants the heap to shrink
+    back). A mapping costs its page faults each step (the gradient bytes / 4 KiB). Returns the number of units."""
+    n = 0
+    for m in module.modules():
+        rs = getattr(m, "_v17_reduce_scatter", None)
+        if rs is not None:
+            rs.mapped_from = min_bytes
+            n += 1
+    return n
 
 
 def is_cpu_gloo(group: Any) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -22,7 +24,7 @@ import torch
 from lightning_v17.engine import nvme
 
 __all__ = [
-    "HEAP_MMAP_THRESHOLD", "AfterWrite", "BufferPool", "PooledRead", "fix_mmap_threshold", "own_mappings",
+    "HEAP_MMAP_THRESHOLD", "AfterWrite", "BufferPool", "PooledRead", "fix_mmap_threshold", "mapped_empty", "own_mappings",
     "sole_owner", "trim_heap",
 ]  # fmt: skip
 
@@ -75,6 +77,16 @@ def own_mappings(nbytes: int = 2**20) -> Generator[None, None, None]:
         if not _FIXED:
             libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
             libc.mallopt(M_TRIM_THRESHOLD, 2 * HEAP_MMAP_THRESHOLD)
+
+
+def mapped_empty(size: Any, *, dtype: torch.dtype, min_bytes: int = 2**20) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``size``: its own anonymous mapping (zero-filled, unmapped when the last view of
+    it is freed, whatever glibc's settings) when it has ``min_bytes`` or more, else ``torch.empty``."""
+    shape = (size,) if isinstance(size, int) else tuple(size)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < min_bytes:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def trim_heap() -> None:

@@ -59,9 +59,13 @@ Memory really drops on the nvme tier only if the state leaves the process, and g
 * ``"recycle"``: only the steps where the tier's own allocations happen run inside :func:`own_mappings` (the first
   step, where the optimizer creates its state as ordinary tensors that the tier packs into its buffers and frees,
   and checkpoint loads); afterwards the threshold is 32 MiB, glibc's own dynamic maximum, so forward and backward
-  recycle their allocations in the heap as without the tier (2,818 faults per step). But the heap then fragments
-  as the run goes on (it does without offload too), and that keeps part of the offloaded bytes resident (103M GPT:
-  a drop of 0.67 / 0.73).
+  recycle their allocations in the heap as without the tier (2,818 faults per step). At ZeRO-3 the sharded
+  gradients, which live from their unit's backward to ``zero_grad`` while forward and backward allocate and free
+  around them, are their own mappings (``collectives.map_gradient_buffers``): on the heap they pinned its top and
+  fragmented it (a ``mallopt`` threshold does not help there: malloc serves a request from a free heap chunk before
+  it considers a mapping). The heap still fragments somewhat as the run goes on (it does without offload too), and
+  that keeps part of the offloaded bytes resident (103M GPT: a drop of 0.77-0.91 of the planned bytes against no
+  offload, 0.57-0.72 with the gradients on the heap).
 
 ``malloc_trim(0)`` after a repack (the first step, a load) returns the small rest; not every step, which would
 return the freed activations too, for the next forward to fault back in.

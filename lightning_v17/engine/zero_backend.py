@@ -139,13 +139,18 @@ class ZeroBackend:
             import torch.distributed as dist
 
             from lightning_v17.config import HostMemory
+            from lightning_v17.engine.collectives import map_gradient_buffers
             from lightning_v17.engine.offload import attach_offload
 
             rank = dist.get_rank() if dist.is_initialized() else 0
+            host_memory = HostMemory(offload.host_memory or HostMemory.RETURN)
+            if offload.optimizer == "nvme" and host_memory == HostMemory.RECYCLE and self.engine is None:
+                # the sharded gradients outside the heap that forward/backward recycle (collectives.py)
+                map_gradient_buffers(self.module)
             self.offloads = [
                 attach_offload(opt, tier=offload.optimizer, nvme_path=offload.nvme_path, ratio=offload.optimizer_ratio,
                                rank=rank, buffer_count=offload.buffer_count, chunk_mb=offload.chunk_mb, params=params,
-                               host_memory=offload.host_memory or HostMemory.RETURN)
+                               host_memory=host_memory)
                 for opt in optimizers
             ]  # fmt: skip
         from lightning_v17.optim.local_shards import enable_local_step
@@ -193,6 +198,10 @@ class ZeroBackend:
         for off in self.offloads:
             off.close()
         self.offloads = []
+        if self.engine is None:
+            from lightning_v17.engine.collectives import map_gradient_buffers
+
+            map_gradient_buffers(self.module, None)
         if self.param_offload is not None:
             self.param_offload.close()  # every shard back in memory: after fit the model is plain FSDP2 again
         if self.engine is not None:

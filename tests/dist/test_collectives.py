@@ -38,7 +38,15 @@ def test_all_to_all_collectives_equal_native_on_gloo() -> None:
         assert res and all(res.values()), res
 
 
-def _fsdp_grads(rank: int, world: int, native: bool) -> dict:
+def _own_mapping(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage starts a mapping of its own in /proc/self/maps (glibc's chunks, heap or mmapped, start
+    after a header: never at a page boundary that begins a mapping)."""
+    start = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        return any(int(line.split("-", 1)[0], 16) == start for line in f)
+
+
+def _fsdp_grads(rank: int, world: int, native: bool, mapped: bool = False) -> dict:
     import os
 
     if native:
@@ -46,7 +54,11 @@ def _fsdp_grads(rank: int, world: int, native: bool) -> dict:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_v17.engine.collectives import FSDPAllToAllAllGather, FSDPAllToAllReduceScatter
+    from lightning_v17.engine.collectives import (
+        FSDPAllToAllAllGather,
+        FSDPAllToAllReduceScatter,
+        map_gradient_buffers,
+    )
     from lightning_v17.engine.fsdp import apply_fsdp
 
     torch.manual_seed(0)
@@ -75,11 +87,13 @@ def _fsdp_grads(rank: int, world: int, native: bool) -> dict:
         and isinstance(pg._all_gather_comm, FSDPAllToAllAllGather)
         for pg in groups
     ]
+    n_mapped = map_gradient_buffers(root, min_bytes=1) if mapped else 0
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
     for _ in range(2):  # second step: the reduce-scatter accumulates into existing sharded grads
         model(x).square().mean().backward()
     grads = {n: p.grad.full_tensor() for n, p in root.named_parameters()}
-    return {"installed": installed, "grads": grads}
+    own = [_own_mapping(p.grad.to_local()) for p in root.parameters()]
+    return {"installed": installed, "grads": grads, "n_mapped": n_mapped, "own_mapping": own}
 
 
 def test_fsdp_uses_all_to_all_comms_and_matches_native() -> None:
@@ -90,3 +104,16 @@ def test_fsdp_uses_all_to_all_comms_and_matches_native() -> None:
     for name, g in native[0]["grads"].items():
         torch.testing.assert_close(ours[0]["grads"][name], g, rtol=1e-6, atol=1e-7, msg=name)
         assert g.abs().sum() > 0, name
+
+
+def test_gradient_buffers_can_be_their_own_mappings_and_stay_exact() -> None:
+    """map_gradient_buffers (the nvme tier's host_memory="recycle"): every sharded gradient is its own anonymous
+    mapping (outside glibc's heap), with the gradients bitwise those of the same collectives into heap buffers."""
+    mapped = spawn(_fsdp_grads, world_size=2, args=(False, True))
+    heap = spawn(_fsdp_grads, world_size=2, args=(False, False))
+    for res in mapped:
+        assert res["n_mapped"] == 4, res["n_mapped"]  # 3 blocks + the root
+        assert all(res["own_mapping"]), res["own_mapping"]
+    assert not any(heap[0]["own_mapping"]), heap[0]["own_mapping"]
+    for name, g in heap[0]["grads"].items():
+        torch.testing.assert_close(mapped[0]["grads"][name], g, rtol=0, atol=0, msg=name)

@@ -57,7 +57,8 @@ EPOCH_STEPS = 3  # the resume case: one epoch is 3 steps, the checkpoint is at i
 
 
 def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float = 1.0, max_steps: int = STEPS,
-         batches: int = STEPS, ckpt_dir: str | None = None, ckpt_path: str | None = None) -> dict:  # fmt: skip
+         batches: int = STEPS, ckpt_dir: str | None = None, ckpt_path: str | None = None,
+         host_memory: str | None = None) -> dict:  # fmt: skip
     import lightning as L
     import torch.distributed as dist
     from lightning_v17.strategies import V17Strategy
@@ -80,9 +81,9 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
     if tier != "none":
         offload = OffloadPolicy(
             optimizer="cpu" if tier == "cpu" else "nvme", nvme_path=None if tier == "cpu" else nvme_path,
-            optimizer_ratio=0.5 if tier == "split" else 1.0, chunk_mb=CHUNK_MB,
+            optimizer_ratio=0.5 if tier == "split" else 1.0, chunk_mb=CHUNK_MB, host_memory=host_memory,
         )  # fmt: skip
-    seen: dict = {"own_bytes": [], "disk": [], "folder": None, "chunks": 0, "nvme_chunks": 0}
+    seen: dict = {"own_bytes": [], "disk": [], "folder": None, "chunks": 0, "nvme_chunks": 0, "mapped_from": []}
 
     class Probe(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -93,6 +94,9 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
                 (v._local_tensor if hasattr(v, "_local_tensor") else v).untyped_storage().nbytes()
                 for v, p in zip(tensors, ptrs) if ptrs.count(p) == 1
             ))  # fmt: skip
+            # the reduce-scatter buffers (the sharded gradients) of every FSDP2 unit: own mappings under "recycle"
+            seen["mapped_from"].append(sorted({str(m._v17_reduce_scatter.mapped_from) for m in pl_module.modules()
+                                               if hasattr(m, "_v17_reduce_scatter")}))  # fmt: skip
             off = offload_of(opt)
             if off is not None:
                 seen["disk"].append(off.disk_bytes())
@@ -110,6 +114,8 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )  # fmt: skip
     trainer.fit(model, loader, ckpt_path=ckpt_path)
+    seen["mapped_from_after"] = sorted({str(m._v17_reduce_scatter.mapped_from) for m in model.modules()
+                                        if hasattr(m, "_v17_reduce_scatter")})  # fmt: skip
     losses = torch.tensor(model.losses)
     dist.all_reduce(losses)
     return {
@@ -135,6 +141,7 @@ def _worker(rank: int, world_size: int, names: list[str], root: str) -> dict:
         for name, tier in EXTRA:
             out["fit"][(name, stage, tier)] = _fit(name, stage, tier, root)
     out["negative"] = _fit("adamw", 3, "nvme", root, lr_scale_rank1=1.5)
+    out["recycle"] = _fit("adamw", 3, "nvme", root, host_memory="recycle")
     # resume: 3-step epochs, checkpoint at the end of epoch 0, resumed by fresh Trainers for steps 4-5
     ckpt_dir = os.path.join(root, "ckpt")
     out["whole"] = _fit("adamw", 3, "nvme", root, batches=EPOCH_STEPS, ckpt_dir=ckpt_dir)
@@ -214,6 +221,22 @@ def test_offload_changes_nothing_bitwise(results, stage: int) -> None:
         assert got["losses"] == plain["losses"], (name, tier)
         for n, w in plain["params"].items():
             assert (torch.as_tensor(got["params"][n]) == torch.as_tensor(w)).all(), (name, tier, n)
+
+
+def test_host_memory_recycle_maps_the_gradients_and_changes_nothing(results) -> None:
+    """host_memory="recycle" (ZeRO-3, nvme): every unit's reduce-scatter buffers (the sharded gradients) are their own
+    mappings from 1 MiB up during fit and back on the heap after it (``collectives.map_gradient_buffers``; that the
+    mapping happens and is exact: tests/dist/test_collectives.py); the default maps nothing; both runs equal bit
+    for bit."""
+    for r in results:
+        recycle, default = r["recycle"], r["fit"][("adamw", 3, "nvme")]
+        assert recycle["seen"]["mapped_from"] == [[str(2**20)]] * STEPS, recycle["seen"]["mapped_from"]
+        assert recycle["seen"]["mapped_from_after"] == ["None"], recycle["seen"]["mapped_from_after"]
+        assert default["seen"]["mapped_from"] == [["None"]] * STEPS, default["seen"]["mapped_from"]
+    recycle, default = results[0]["recycle"], results[0]["fit"][("adamw", 3, "nvme")]
+    assert recycle["losses"] == default["losses"]
+    for n, w in default["params"].items():
+        assert (torch.as_tensor(recycle["params"][n]) == torch.as_tensor(w)).all(), n
 
 
 def test_negative_control_wrong_lr_on_one_rank_fails(results) -> None:
