@@ -27,8 +27,10 @@ When a shard is in memory ("resident"):
   valid however long an asynchronous save holds them); ``load_state_dict`` fetches a module's shards before and
   writes the loaded values back (then frees them) after.
 * :meth:`ParamOffload.resident` (``with trainer.strategy.zero.param_offload.resident(): ...``): every shard in memory, for
-  user code that reads parameters outside forward and the step (an EMA, a weight norm). Reading a released shard
-  outside it reads freed memory (ZeRO-3's ``GatheredParameters`` rule in DeepSpeed).
+  user code that reads parameters outside forward and the step (an EMA, a weight norm); the rule of DeepSpeed's
+  ZeRO-3 ``GatheredParameters``. Outside it a released parameter's local tensor is a :class:`ReleasedShard` (same
+  metadata, no data), and reading it raises an error that names the parameter and this fix (it used to read freed
+  memory and crash the process).
 
 Gradients: FSDP2 reduce-scatters them into separate sharded tensors, which stay in memory until ``zero_grad``
 (ZeRO-Infinity keeps gradients in host memory too; the planner puts them on the cpu tier with an offloaded
@@ -48,7 +50,7 @@ from collections.abc import Generator, Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -56,9 +58,57 @@ from torch.distributed.tensor import DTensor
 
 from lightning_v17.config import V17ConfigError
 
-__all__ = ["ParamOffload"]
+__all__ = ["ParamOffload", "ReleasedShard"]
 
 log = logging.getLogger(__name__)
+
+
+class ReleasedShard(torch.Tensor):
+    """What a parameter's local tensor is while its shard is on the nvme tier (the DTensor parameter's
+    ``_local_tensor``): the shard's shape, stride, dtype and device, no data. Reading or writing it raises an error
+    that names the parameter and the fix (the storage is freed: a read would touch freed memory, and crash the
+    process). Views (``detach``, ``to_local()``'s ``view_as``, ...) give another one, so metadata, ``state_dict()``
+    (the tier's save hook puts the shard read from its file in its place) and storage accounting (an empty storage,
+    as FSDP2's freed ones) still work."""
+
+    _v17_name: str
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, name: str, device: torch.device | None = None) -> Self:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.size(), strides=like.stride(), storage_offset=like.storage_offset(), dtype=like.dtype,
+            device=device or like.device, requires_grad=False,
+        )  # fmt: skip
+        t._v17_name = name
+        return t
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"ReleasedShard({self._v17_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        return torch.UntypedStorage(0)  # freed, as a storage FSDP2 resized to zero
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_leaves, tree_map_only
+
+        kwargs = kwargs or {}
+        shard = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, ReleasedShard))
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or getattr(func, "is_view", False):
+            def meta(t: ReleasedShard) -> torch.Tensor:
+                return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+
+            m_args, m_kwargs = tree_map_only(ReleasedShard, meta, (args, kwargs))
+            out = func(*m_args, **m_kwargs)
+            return tree_map_only(torch.Tensor, lambda m: ReleasedShard(m, shard._v17_name, shard.device), out)
+        raise RuntimeError(
+            f"parameter {shard._v17_name!r} is on the nvme tier (offload_params='nvme'): its shard is in memory only "
+            f"during forward, backward and the optimizer step, and {func} read it outside them. Read parameters "
+            "inside `with trainer.strategy.zero.param_offload.resident():` (every shard in memory, written back "
+            "after), as DeepSpeed's ZeRO-3 GatheredParameters"
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
 
 @dataclass(eq=False)
@@ -72,9 +122,26 @@ class _Rec:
     dirty: bool = True  # the file is not current (never written, or changed since)
     read: Future | None = None
     write: Future | None = None
+    local: torch.Tensor | None = None  # the parameter's local tensor while a ReleasedShard stands in for it
 
     def storage(self) -> torch.UntypedStorage:
         return self.fp._sharded_param_data.untyped_storage()
+
+    def free(self) -> None:
+        """Free the shard's memory; a :class:`ReleasedShard` stands in for the parameter's local tensor."""
+        self.storage().resize_(0)
+        self.resident = False
+        sp = self.fp.sharded_param
+        if not isinstance(sp._local_tensor, ReleasedShard):  # a load may have put a new local tensor there
+            self.local = sp._local_tensor
+            sp._local_tensor = ReleasedShard(self.local, self.fp._param_fqn or self.fp._module_info.param_name)
+
+    def restore(self) -> None:
+        """The shard is in memory again: the parameter's own local tensor back."""
+        self.resident = True
+        sp = self.fp.sharded_param
+        if isinstance(sp._local_tensor, ReleasedShard) and self.local is not None:
+            sp._local_tensor, self.local = self.local, None
 
     def as_bytes(self) -> torch.Tensor:
         """A uint8 tensor over the whole (padded) storage."""
@@ -180,12 +247,12 @@ class ParamOffload:
             if r.read is not None:
                 r.read.result()  # re-raises a failed read
                 r.read = None
-                r.resident = True
+                r.restore()
             if r.write is not None:  # written back, not yet freed: keep it
                 r.write.result()
                 r.write = None
                 self._writes.remove(r)
-                r.resident = True
+                r.restore()
         self.io_wait_s += time.perf_counter() - t0
 
     def release(self, recs: Iterable[_Rec], *, dirty: bool = False, max_writes: int = 2) -> None:
@@ -202,8 +269,7 @@ class ParamOffload:
                 self._writes.append(r)
                 self._drain(max_writes)
             else:
-                r.storage().resize_(0)
-                r.resident = False
+                r.free()
 
     def _drain(self, limit: int) -> None:
         t0 = time.perf_counter()
@@ -211,8 +277,7 @@ class ParamOffload:
             r = self._writes.pop(0)
             r.write.result()  # type: ignore[union-attr]  # re-raises a failed write
             r.write = None
-            r.storage().resize_(0)
-            r.resident = False
+            r.free()
         self.io_wait_s += time.perf_counter() - t0
 
     def flush(self) -> None:
@@ -306,7 +371,7 @@ class ParamOffload:
         local = r.fp.sharded_param._local_tensor
         if r.resident or r.read is not None or r.write is not None:
             self.fetch([r])
-            return local.detach().clone()
+            return r.fp.sharded_param._local_tensor.detach().clone()  # the parameter's own again (not a stand-in)
         buf = torch.empty(r.nbytes, dtype=torch.uint8)
         self.io.read_into(self._path(r), buf).result()
         n = local.numel() * local.element_size()

@@ -57,7 +57,7 @@ EPOCH_STEPS = 3
 
 def fit_params(root: str, tag: str, *, params: str = "nvme", optimizer: str = "none", precision: str = "32-true",
          opt: str | None = None, batches: int = STEPS, ckpt_dir: str | None = None, ckpt_path: str | None = None,
-         max_steps: int = STEPS) -> dict:  # fmt: skip
+         max_steps: int = STEPS, probe_reads: bool = False) -> dict:  # fmt: skip
     import lightning as L
     import torch.distributed as dist
     from lightning_v17.strategies import V17Strategy
@@ -77,7 +77,7 @@ def fit_params(root: str, tag: str, *, params: str = "nvme", optimizer: str = "n
     nvme = "nvme" in (params, optimizer)
     offload = OffloadPolicy(optimizer=optimizer, params=params, nvme_path=nvme_path if nvme else None,
                             chunk_mb=CHUNK_MB)  # fmt: skip
-    seen: dict = {"resident": [], "disk": [], "shard_bytes": [], "folder": None}
+    seen: dict = {"resident": [], "disk": [], "shard_bytes": [], "folder": None, "outside": [], "inside": []}
 
     class Probe(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -87,6 +87,14 @@ def fit_params(root: str, tag: str, *, params: str = "nvme", optimizer: str = "n
                 seen["disk"].append(po.disk_bytes())
                 seen["shard_bytes"].append(po.nvme_bytes)
                 seen["folder"] = str(po.files.folder)
+            if po is not None and probe_reads:  # user code reading a parameter between steps (a weight norm)
+                p = next(pl_module.parameters())
+                try:
+                    seen["outside"].append(("read", float(p.to_local().sum()), p.numel(), tuple(p.shape)))
+                except RuntimeError as err:
+                    seen["outside"].append(("error", str(err), p.numel(), tuple(p.shape)))
+                with po.resident():
+                    seen["inside"].append(p.to_local().detach().clone())
 
     callbacks: list = [Probe()]
     if ckpt_dir is not None:
@@ -138,7 +146,7 @@ def _full_worker(rank: int, world_size: int, root: str) -> dict:
     torch.set_num_threads(1)
     out: dict = {}
     out["plain"] = fit_params(root, "plain", params="none")
-    out["nvme"] = fit_params(root, "nvme")
+    out["nvme"] = fit_params(root, "nvme", probe_reads=True)
     out["nvme_opt_nvme"] = fit_params(root, "both", optimizer="nvme")
     out["lion"] = fit_params(root, "lion", opt="lion")
     for prec in ("bf16-mixed", "bf16-true"):
@@ -192,6 +200,25 @@ def check_fp32(results: list[dict], case: str) -> None:
 def test_full_fp32_adamw_equals_no_offload_bitwise(results, case: str) -> None:
     check_fp32(results, case)
     assert _bitwise(results[0][case], results[0]["plain"])  # offloading changes nothing, bit for bit
+
+
+def test_reading_a_released_parameter_raises_a_clear_error(results) -> None:
+    """Between steps a parameter on the nvme tier has its metadata but no data: reading it raises an error naming
+    the parameter and ``resident()`` (it used to read freed memory: a segfault); inside ``resident()`` it reads the
+    shard as stepped, equal to the rank's part of the run without offload after the same steps (the final step)."""
+    for rank, r in enumerate(results):
+        outside, inside = r["nvme"]["seen"]["outside"], r["nvme"]["seen"]["inside"]
+        assert len(outside) == STEPS and len(inside) == STEPS
+        name = next(iter(r["plain"]["params"]))
+        full = torch.as_tensor(r["plain"]["params"][name])
+        for kind, msg, numel, shape in outside:
+            assert kind == "error", (kind, msg)
+            assert "offload_params='nvme'" in msg and "param_offload.resident()" in msg, msg
+            assert name in msg, (name, msg)
+            assert numel == full.numel() and shape == tuple(full.shape), (numel, shape)
+        rows = full.shape[0] // WORLD + (full.shape[0] % WORLD > 0)
+        want = full[rank * rows : (rank + 1) * rows]
+        assert torch.equal(inside[-1][: want.shape[0]], want), rank
 
 
 def test_lion_matches_single_process(results) -> None:
