@@ -7,16 +7,18 @@ of the rank's shard), the peak RSS (``ru_maxrss``), the drop against ``none`` as
 (target >= 0.8 for nvme), the bytes of the rank's files on the nvme tier after the last step, and the losses (which
 must be identical across arms).
 
-``nvme_recycle`` is the nvme arm with ``OffloadPolicy(host_memory="recycle")`` (glibc's heap recycles forward/backward
-allocations; the default "return" fixes its mmap threshold at 1 MiB for the process): faster on this CPU-only machine,
-where activations are host allocations, but heap fragmentation keeps part of the offloaded bytes resident. Each
-result also has rank 0's system CPU seconds and minor page faults per timed step.
+``nvme`` runs the default ``host_memory="recycle"`` (glibc's heap recycles forward/backward allocations; the tier's
+own and the sharded gradients are their own mappings); ``nvme_return`` is the nvme arm with
+``OffloadPolicy(host_memory="return")`` (glibc's mmap threshold at 1 MiB for the process: every freed host allocation
+of 1 MiB or more leaves the RSS, and on this CPU-only machine every activation of that size is faulted in anew each
+step). Each result also has rank 0's system CPU seconds and minor page faults per timed step.
 
 ``nvme_params`` adds ``offload_params="nvme" to the nvme arm (ZeRO-Infinity: the parameter shards on nvme too,
 ``lightning_v17/engine/param_offload.py``); its row gives the planner's fp32 parameter shard of the rank
 (``planned_param_bytes``: 4 B/param over dp=2, ``model_state_bytes_per_rank``), the bytes of the rank's parameter
-files and of shards left in memory after the last step, and the RSS drop against the ``nvme`` arm as a fraction of
-the planned shard (``drop_vs_nvme_over_planned_params``; target >= 0.8).
+files and of shards left in memory after the last step, and the RSS drop against the ``nvme_return`` arm (the same
+glibc setting: parameters on nvme imply "return") as a fraction of the planned shard
+(``drop_vs_nvme_over_planned_params``; target >= 0.8).
 
 On this CPU-only machine the cpu tier shares memory with compute (no drop expected; it shows the chunked step's
 cost), and the nvme tier is a directory on the local disk (``--nvme-path``; the page cache may serve the reads).
@@ -27,7 +29,7 @@ Speed anchors, raw DeepSpeed ZeRO-3 (``deepspeed.initialize`` + a hand loop, Dee
 ``--optimizer cpu_adam``), each against the V17 arm that offloads the same things (``ratios``):
 
 * ``ds_cpu``: ``offload_optimizer.device="cpu"``, fp32 (against ``cpu``);
-* ``ds_nvme``: ``offload_optimizer.device="nvme"``, fp32 (against ``nvme``);
+* ``ds_nvme``: ``offload_optimizer.device="nvme"``, fp32 (against ``nvme`` and ``nvme_return``);
 * ``ds_nvme_params_bf16``: optimizer and parameters on nvme, ``bf16.enabled`` (DeepSpeed's fp32 parameter swapper
   is broken: it allocates bf16 buffers), against ``nvme_params_bf16`` (V17 with ``precision="bf16-mixed"``).
 
@@ -41,7 +43,7 @@ DeepSpeed's nvme tier needs its ``async_io`` op (Debian's ``libaio-dev``); witho
 start with DeepSpeed's own message, and the V17 arms use the thread-pool backend (``io_backend`` in the JSON).
 
     python bench/offload.py                       # every arm, 1 round
-    python bench/offload.py --arms none_mmap,nvme,nvme_params   # the parameter-offload table
+    python bench/offload.py --arms none_mmap,nvme_return,nvme_params   # the parameter-offload table
     python bench/offload.py --arms none,nvme --rounds 2 --shape '{"hidden": 512, "layers": 4}'
 """
 
@@ -60,8 +62,8 @@ from bench import _common as C
 
 #: none_mmap: no offload, but glibc's mmap threshold fixed at 1 MiB as the nvme tier does (separates the allocator's
 #: share of the RSS drop from the offload's)
-#: nvme_recycle: the nvme arm with OffloadPolicy(host_memory="recycle"): glibc's heap recycles forward/backward
-#: allocations instead of the default's process-wide 1 MiB mmap threshold (config.OffloadPolicy)
+#: nvme_return: the nvme arm with OffloadPolicy(host_memory="return"): a process-wide 1 MiB mmap threshold instead of
+#: the default "recycle", where glibc's heap recycles forward/backward allocations (config.OffloadPolicy)
 #: nvme_params: offload_optimizer="nvme" and offload_params="nvme" (ZeRO-Infinity: the parameter shards on nvme too);
 #: nvme_params_bf16: the same under precision="bf16-mixed"
 #: ds_*: raw DeepSpeed ZeRO-3 with DeepSpeedCPUAdam, the same tiers (module docstring)
@@ -70,7 +72,7 @@ ARMS = (
     "none_mmap",
     "cpu",
     "nvme",
-    "nvme_recycle",
+    "nvme_return",
     "nvme_params",
     "nvme_params_bf16",
     "ds_cpu",
@@ -78,7 +80,7 @@ ARMS = (
     "ds_nvme_params_bf16",
 )
 #: ours -> DeepSpeed's arm with the same tiers and precision
-DS_ANCHOR = {"cpu": "ds_cpu", "nvme": "ds_nvme", "nvme_recycle": "ds_nvme", "nvme_params_bf16": "ds_nvme_params_bf16"}
+DS_ANCHOR = {"cpu": "ds_cpu", "nvme": "ds_nvme", "nvme_return": "ds_nvme", "nvme_params_bf16": "ds_nvme_params_bf16"}
 LR, WEIGHT_DECAY = 1e-4, 0.01
 #: >= 100M parameters (103.3M): 8 blocks of width 1024; short sequences keep a step near a second on 2 cores
 DEFAULT_SHAPE = {"vocab": 1024, "hidden": 1024, "layers": 8, "heads": 16, "seq": 64, "batch": 1}
@@ -166,10 +168,10 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
         offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb,
                                 buffer_count=args.buffer_count)  # fmt: skip
     elif arm != "none":
-        tier = arm.removesuffix("_recycle")
+        tier = arm.removesuffix("_return")
         offload = OffloadPolicy(optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None,
                                 chunk_mb=args.chunk_mb, buffer_count=args.buffer_count,
-                                host_memory="recycle" if arm.endswith("_recycle") else None)  # fmt: skip
+                                host_memory="return" if arm.endswith("_return") else None)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=V17Strategy(zero_stage=3, offload=offload),
         precision="bf16-mixed" if arm.endswith("_bf16") else "32-true",
@@ -350,9 +352,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = []
     base = results.get("none", {}).get("peak_rss_mb")
     base_mmap = results.get("none_mmap", {}).get("peak_rss_mb")
-    # nvme_params' own drop against the nvme arm (both under the default host_memory="return": the same 1 MiB mmap
-    # threshold), when that arm ran
-    base_nvme = results.get("nvme", {}).get("peak_rss_mb")
+    # nvme_params' own drop against the nvme_return arm (parameters on nvme imply host_memory="return": the same 1 MiB
+    # mmap threshold), when that arm ran
+    base_nvme = results.get("nvme_return", {}).get("peak_rss_mb")
     for a in arms:
         ok = [r for r in runs[a] if r["ok"]]
         if not ok:

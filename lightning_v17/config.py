@@ -96,6 +96,11 @@ class HostMemory(StrEnum):
     RETURN = "return"  # mmap threshold 1 MiB for the whole process: freed host memory leaves the RSS
     RECYCLE = "recycle"  # 1 MiB only where the tier's own allocations happen; the heap recycles the rest
 
+    @classmethod
+    def default(cls, *, nvme_params: bool) -> HostMemory:
+        """``host_memory=None``: "recycle", or "return" where the parameters are on the nvme tier too."""
+        return cls.RETURN if nvme_params else cls.RECYCLE
+
 
 class Precision(StrEnum):
     """Training precision, in Lightning's spelling where Lightning has one."""
@@ -318,16 +323,18 @@ class OffloadPolicy:
         chunk_mb: MiB of a rank's fp32 parameter elements whose optimizer state steps (and moves) together, the unit
             of the offloaded step (like DeepSpeed's ``zero_optimization.sub_group_size``, which counts elements; not mapped from a
             DeepSpeed config, where it also sizes the step without offload).
-        host_memory: how an nvme tier sets glibc's malloc (None: "return"; only with an nvme tier). "return" fixes
-            its mmap threshold at 1 MiB for the whole process: every host allocation of 1 MiB or more is its own
-            mapping and leaves the RSS when freed, so the offloaded bytes leave whatever the heap's fragmentation
-            (103M-param GPT on CPU: peak RSS drop 0.85x the planned optimizer state), but host allocations of that
-            size that recur every step (the activations of CPU-only training; few when they live on an accelerator)
-            are faulted in anew each step. "recycle" gives allocations their own mappings only where the tier's own
-            happen (the first step, checkpoint loads) and to the sharded gradients (ZeRO-3), and lets the heap
-            recycle the rest: faster on CPU, but glibc's fragmentation keeps part of the offloaded bytes resident. ``bench/offload.py`` measures both
-            (``nvme`` / ``nvme_recycle``). With ``params="nvme"`` only "return" applies (the parameter tier frees
-            and refills shard storages every step).
+        host_memory: how an nvme tier sets glibc's malloc (None: "recycle", or "return" with ``params="nvme"``;
+            only with an nvme tier). "recycle" gives allocations their own mappings (unmapped, so out of the RSS,
+            when freed) only where the tier's own happen (the first step, checkpoint loads) and to the sharded
+            gradients (ZeRO-3), and lets glibc's heap recycle the rest as without offload (103M-param GPT on CPU:
+            peak RSS drop 0.77-0.91x the planned optimizer state; its heap's fragmentation keeps the rest). "return"
+            fixes the mmap threshold at 1 MiB for the whole process: every host allocation of 1 MiB or more is its
+            own mapping, so the offloaded bytes leave whatever the fragmentation (a drop of 1.4x: the fragmentation
+            of the run without offload goes too), but host allocations of that size that recur every step (the
+            activations of CPU-only training; few when they live on an accelerator) are faulted in anew each step
+            (3.7M GPT on CPU: 0.81-0.87x DeepSpeed's tokens/s against recycle's 1.06-1.15x). ``bench/offload.py``
+            measures both (``nvme`` / ``nvme_return``). With ``params="nvme"`` only "return" applies (the parameter
+            tier frees and refills shard storages every step).
     """
 
     optimizer: Tier = Tier.NONE

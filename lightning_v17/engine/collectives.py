@@ -26,6 +26,7 @@ serves the ZeRO-2 engine.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -170,14 +171,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, *, group: Any, async_op: bo
 
 
 class _Alloc:
-    #: host buffers of at least this many bytes are their own anonymous mappings (:func:`map_gradient_buffers`)
-    mapped_from: int | None = None
-
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self.mapped_from is not None and torch.device(device).type == "cpu":
-            from lightning_v17.engine.host_buffers import mapped_empty
-
-            return mapped_empty(size, dtype=dtype, min_bytes=self.mapped_from)
         return torch.empty(size, dtype=dtype, device=device)
 
 
@@ -203,8 +197,28 @@ class FSDPAllToAllReduceScatter(_Alloc, _ReduceScatterBase):  # type: ignore[mis
     FSDP2 adds into it at once), no post-accumulate-grad hook would read it, and no dtype cast follows.
     """
 
-    def __init__(self, deferred: DeferredReduceScatters | None = None, fsdp_state: Any = None) -> None:
-        self.deferred, self.fsdp_state = deferred, fsdp_state
+    #: outputs of at least this many bytes on the host are their own anonymous mappings (:func:`map_gradient_buffers`)
+    mapped_from: int | None = None
+
+    def __init__(self, deferred: DeferredReduceScatters | None = None, fsdp_state: Any = None, world: int = 1) -> None:
+        self.deferred, self.fsdp_state, self.world = deferred, fsdp_state, world
+        self._input_numel = -1  # the last allocation's, until the output that follows it
+        self.mapped = 0  # outputs allocated as their own mappings, ever
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP2's ``foreach_reduce`` allocates the input (``world`` x the output), then the output, which its
+        parameters' sharded gradients view until ``zero_grad``; with :attr:`mapped_from` only the output is mapped
+        (the input is freed when the call returns: the heap recycles it)."""
+        numel = math.prod(size) if not isinstance(size, int) else size
+        is_output = numel * self.world == self._input_numel
+        self._input_numel = -1 if is_output else numel
+        if is_output and self.mapped_from is not None and torch.device(device).type == "cpu":
+            from lightning_v17.engine.host_buffers import mapped_empty
+
+            out = mapped_empty(size, dtype=dtype, min_bytes=self.mapped_from)
+            self.mapped += out.untyped_storage().nbytes() >= self.mapped_from
+            return out
+        return torch.empty(size, dtype=dtype, device=device)
 
     def _can_defer(self, output: torch.Tensor) -> bool:
         if self.deferred is None or self.fsdp_state is None:
@@ -257,16 +271,16 @@ def install_fsdp_comms(modules: list[Any], group: Any, *, defer_reduce_scatter: 
     deferred = DeferredReduceScatters() if defer_reduce_scatter else None
     for m in modules:
         state = m._get_fsdp_state() if deferred is not None and hasattr(m, "_get_fsdp_state") else None
-        m._v17_reduce_scatter = rs = FSDPAllToAllReduceScatter(deferred, state)
+        m._v17_reduce_scatter = rs = FSDPAllToAllReduceScatter(deferred, state, world=dist.get_world_size(group))
         m.set_custom_reduce_scatter(rs)
         m.set_custom_all_gather(ag)
     return True
 
 
 def map_gradient_buffers(module: torch.nn.Module, min_bytes: int | None = 2**20) -> int:
-    """Allocate the reduce-scatter buffers of the FSDP2 units under ``module`` (installed by
+    """Allocate the reduce-scatter outputs of the FSDP2 units under ``module`` (installed by
     :func:`install_fsdp_comms`) of ``min_bytes`` or more as their own anonymous mappings, outside glibc's heap
-    (``None``: back to ``torch.empty``). The output buffer *is* the unit's sharded gradient (FSDP2 views it) and lives
+    (``None``: back to ``torch.empty``). The output *is* the unit's sharded gradient (FSDP2 views it) and lives
     from the unit's backward to ``zero_grad``, while forward and backward allocate and free around it: on the heap it
     pins the heap's top and fragments it (the nvme optimizer tier, ``engine/offload.py``, wants the heap to shrink
     back). A mapping costs its page faults each step (the gradient bytes / 4 KiB). Returns the number of units."""

@@ -50,22 +50,22 @@ peaks, hold only the read-ahead and the last write-backs; the step allocates the
 Memory really drops on the nvme tier only if the state leaves the process, and glibc's heap is where it could stay
 (``OffloadPolicy.host_memory``):
 
-* ``"return"`` (default): glibc's mmap threshold is fixed at 1 MiB for the whole process (``mallopt``, which also
-  ends glibc's dynamic raise of it): every host allocation of 1 MiB or more, the state tensors the optimizer creates
-  in the first step and FSDP2's gradients included, is its own mapping, unmapped when freed, so the heap cannot keep
-  the offloaded bytes (103M-param GPT: peak RSS drop 0.85 / 0.83 of the planned bytes against no offload under the
-  same threshold). The price is paid by allocations of that size that recur every step: on a CPU-only machine the
-  activations are mapped and faulted in anew each step (3.7M-param GPT: 117,560 minor faults per step).
-* ``"recycle"``: only the steps where the tier's own allocations happen run inside :func:`own_mappings` (the first
-  step, where the optimizer creates its state as ordinary tensors that the tier packs into its buffers and frees,
-  and checkpoint loads); afterwards the threshold is 32 MiB, glibc's own dynamic maximum, so forward and backward
-  recycle their allocations in the heap as without the tier (2,818 faults per step). At ZeRO-3 the sharded
-  gradients, which live from their unit's backward to ``zero_grad`` while forward and backward allocate and free
-  around them, are their own mappings (``collectives.map_gradient_buffers``): on the heap they pinned its top and
-  fragmented it (a ``mallopt`` threshold does not help there: malloc serves a request from a free heap chunk before
-  it considers a mapping). The heap still fragments somewhat as the run goes on (it does without offload too), and
-  that keeps part of the offloaded bytes resident (103M GPT: a drop of 0.77-0.91 of the planned bytes against no
-  offload, 0.57-0.72 with the gradients on the heap).
+* ``"recycle"`` (default without ``offload_params="nvme"``): only the steps where the tier's own allocations happen
+  run inside :func:`own_mappings` (the first step, where the optimizer creates its state as ordinary tensors that
+  the tier packs into its buffers and frees, and checkpoint loads); afterwards the threshold is 32 MiB, glibc's own
+  dynamic maximum, so forward and backward recycle their allocations in the heap as without the tier. At ZeRO-3 the
+  sharded gradients, which live from their unit's backward to ``zero_grad`` while forward and backward allocate and
+  free around them, are their own mappings (``collectives.map_gradient_buffers``, the reduce-scatter outputs only):
+  on the heap they pinned its top and fragmented it (a ``mallopt`` threshold does not help there: malloc serves a
+  request from a free heap chunk before it considers a mapping). The heap still fragments somewhat as the run goes
+  on (as without offload), keeping part of the offloaded bytes resident (103M-param GPT: a peak RSS drop of
+  0.77-0.91 of the planned bytes against no offload, 0.57-0.72 with the gradients on the heap).
+* ``"return"`` (and with ``offload_params="nvme"``): glibc's mmap threshold is fixed at 1 MiB for the whole process
+  (``mallopt``, which also ends glibc's dynamic raise of it): every host allocation of 1 MiB or more is its own
+  mapping, unmapped when freed, so the heap keeps nothing of that size (103M GPT: a drop of 1.4 of the planned
+  bytes, the run without offload's own fragmentation gone too; 0.85 against no offload under the same threshold).
+  The price is paid by allocations of that size that recur every step: on a CPU-only machine the activations are
+  mapped and faulted in anew each step (3.7M GPT: 117,000 minor faults per step).
 
 ``malloc_trim(0)`` after a repack (the first step, a load) returns the small rest; not every step, which would
 return the freed activations too, for the next forward to fault back in.
@@ -178,8 +178,9 @@ class OptimizerOffload:
         params: the :class:`~lightning_v17.engine.param_offload.ParamOffload` of parameters on the nvme tier (then
             ``tier`` may be ``Tier.NONE``): each chunk's parameter shards are read ahead like its state, and written
             back after its step.
-        host_memory: ``OffloadPolicy.host_memory`` with an nvme tier: "return" fixes glibc's mmap threshold at 1 MiB
-            for the process; "recycle" only inside :func:`own_mappings` (module docstring).
+        host_memory: ``OffloadPolicy.host_memory`` with an nvme tier (None: "recycle", "return" with ``params``):
+            "return" fixes glibc's mmap threshold at 1 MiB for the process; "recycle" only inside
+            :func:`own_mappings` (module docstring).
     """
 
     def __init__(
@@ -193,10 +194,14 @@ class OptimizerOffload:
         chunk_mb: float = 4.0,
         buffer_count: int = 2,
         params: Any = None,
-        host_memory: HostMemory | str = HostMemory.RETURN,
+        host_memory: HostMemory | str | None = None,
     ) -> None:
         tier = Tier.parse(tier, "offload_optimizer")
+        if host_memory is None:
+            host_memory = HostMemory.default(nvme_params=params is not None)
         host_memory = parse_enum(HostMemory, host_memory, option="host_memory")
+        if host_memory == HostMemory.RECYCLE and params is not None:
+            raise V17ConfigError("host_memory='recycle' cannot apply with parameters on the nvme tier; use 'return'")
         if tier == Tier.NONE and params is None:
             raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme' (or parameters on the nvme tier)")
         self.param_tier = params
@@ -558,7 +563,7 @@ def attach_offload(
     chunk_mb: float = 4.0,
     buffer_count: int = 2,
     params: Any = None,
-    host_memory: HostMemory | str = HostMemory.RETURN,
+    host_memory: HostMemory | str | None = None,
 ) -> OptimizerOffload:
     """Put ``optimizer``'s state on ``tier`` (see :class:`OptimizerOffload`); a ``LightningOptimizer`` is unwrapped.
 

@@ -143,7 +143,7 @@ class ZeroBackend:
             from lightning_v17.engine.offload import attach_offload
 
             rank = dist.get_rank() if dist.is_initialized() else 0
-            host_memory = HostMemory(offload.host_memory or HostMemory.RETURN)
+            host_memory = offload.host_memory or HostMemory.default(nvme_params=params is not None)
             if offload.optimizer == "nvme" and host_memory == HostMemory.RECYCLE and self.engine is None:
                 # the sharded gradients outside the heap that forward/backward recycle (collectives.py)
                 map_gradient_buffers(self.module)

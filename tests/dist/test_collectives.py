@@ -93,7 +93,9 @@ def _fsdp_grads(rank: int, world: int, native: bool, mapped: bool = False) -> di
         model(x).square().mean().backward()
     grads = {n: p.grad.full_tensor() for n, p in root.named_parameters()}
     own = [_own_mapping(p.grad.to_local()) for p in root.parameters()]
-    return {"installed": installed, "grads": grads, "n_mapped": n_mapped, "own_mapping": own}
+    mapped_buffers = sum(m._v17_reduce_scatter.mapped for m in root.modules() if hasattr(m, "_v17_reduce_scatter"))
+    return {"installed": installed, "grads": grads, "n_mapped": n_mapped, "own_mapping": own,
+            "mapped_buffers": mapped_buffers}  # fmt: skip
 
 
 def test_fsdp_uses_all_to_all_comms_and_matches_native() -> None:
@@ -108,12 +110,15 @@ def test_fsdp_uses_all_to_all_comms_and_matches_native() -> None:
 
 def test_gradient_buffers_can_be_their_own_mappings_and_stay_exact() -> None:
     """map_gradient_buffers (the nvme tier's host_memory="recycle"): every sharded gradient is its own anonymous
-    mapping (outside glibc's heap), with the gradients bitwise those of the same collectives into heap buffers."""
+    mapping (outside glibc's heap), the reduce-scatter inputs are not, and the gradients are bitwise those of the same
+    collectives into heap buffers."""
     mapped = spawn(_fsdp_grads, world_size=2, args=(False, True))
     heap = spawn(_fsdp_grads, world_size=2, args=(False, False))
     for res in mapped:
         assert res["n_mapped"] == 4, res["n_mapped"]  # 3 blocks + the root
         assert all(res["own_mapping"]), res["own_mapping"]
+        # only the outputs (4 units x 2 backward passes), not the inputs, which are freed when the call returns
+        assert res["mapped_buffers"] == 8, res["mapped_buffers"]
     assert not any(heap[0]["own_mapping"]), heap[0]["own_mapping"]
     for name, g in heap[0]["grads"].items():
         torch.testing.assert_close(mapped[0]["grads"][name], g, rtol=0, atol=0, msg=name)

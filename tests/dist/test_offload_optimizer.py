@@ -141,7 +141,7 @@ def _worker(rank: int, world_size: int, names: list[str], root: str) -> dict:
         for name, tier in EXTRA:
             out["fit"][(name, stage, tier)] = _fit(name, stage, tier, root)
     out["negative"] = _fit("adamw", 3, "nvme", root, lr_scale_rank1=1.5)
-    out["recycle"] = _fit("adamw", 3, "nvme", root, host_memory="recycle")
+    out["return"] = _fit("adamw", 3, "nvme", root, host_memory="return")
     # resume: 3-step epochs, checkpoint at the end of epoch 0, resumed by fresh Trainers for steps 4-5
     ckpt_dir = os.path.join(root, "ckpt")
     out["whole"] = _fit("adamw", 3, "nvme", root, batches=EPOCH_STEPS, ckpt_dir=ckpt_dir)
@@ -224,19 +224,19 @@ def test_offload_changes_nothing_bitwise(results, stage: int) -> None:
 
 
 def test_host_memory_recycle_maps_the_gradients_and_changes_nothing(results) -> None:
-    """host_memory="recycle" (ZeRO-3, nvme): every unit's reduce-scatter buffers (the sharded gradients) are their own
-    mappings from 1 MiB up during fit and back on the heap after it (``collectives.map_gradient_buffers``; that the
-    mapping happens and is exact: tests/dist/test_collectives.py); the default maps nothing; both runs equal bit
+    """host_memory="recycle" (the default, ZeRO-3, nvme): every unit's reduce-scatter outputs (the sharded gradients)
+    are their own mappings from 1 MiB up during fit and back on the heap after it (``collectives.map_gradient_buffers``;
+    that the mapping happens and is exact: tests/dist/test_collectives.py); "return" maps nothing; both runs equal bit
     for bit."""
     for r in results:
-        recycle, default = r["recycle"], r["fit"][("adamw", 3, "nvme")]
-        assert recycle["seen"]["mapped_from"] == [[str(2**20)]] * STEPS, recycle["seen"]["mapped_from"]
-        assert recycle["seen"]["mapped_from_after"] == ["None"], recycle["seen"]["mapped_from_after"]
-        assert default["seen"]["mapped_from"] == [["None"]] * STEPS, default["seen"]["mapped_from"]
-    recycle, default = results[0]["recycle"], results[0]["fit"][("adamw", 3, "nvme")]
-    assert recycle["losses"] == default["losses"]
+        ret, default = r["return"], r["fit"][("adamw", 3, "nvme")]
+        assert default["seen"]["mapped_from"] == [[str(2**20)]] * STEPS, default["seen"]["mapped_from"]
+        assert default["seen"]["mapped_from_after"] == ["None"], default["seen"]["mapped_from_after"]
+        assert ret["seen"]["mapped_from"] == [["None"]] * STEPS, ret["seen"]["mapped_from"]
+    ret, default = results[0]["return"], results[0]["fit"][("adamw", 3, "nvme")]
+    assert ret["losses"] == default["losses"]
     for n, w in default["params"].items():
-        assert (torch.as_tensor(recycle["params"][n]) == torch.as_tensor(w)).all(), n
+        assert (torch.as_tensor(ret["params"][n]) == torch.as_tensor(w)).all(), n
 
 
 def test_negative_control_wrong_lr_on_one_rank_fails(results) -> None:

@@ -66,11 +66,11 @@ def test_a_process_wide_threshold_is_kept() -> None:
     assert after >= 4 * 2**20
 
 
-@pytest.mark.parametrize("host_memory,mapped", [("return", True), ("recycle", False)])
+@pytest.mark.parametrize("host_memory,mapped", [("return", True), ("recycle", False), (None, False)])
 def test_the_optimizer_tier_honours_host_memory(tmp_path, host_memory: str, mapped: bool) -> None:
     """After 3 offloaded steps on the nvme tier, a 4 MiB host allocation is its own mapping under "return" (the
-    process-wide 1 MiB threshold) and comes from the heap under "recycle" (own mappings only in the first step); the
-    3 steps equal the plain optimizer's bit for bit either way."""
+    process-wide 1 MiB threshold) and comes from the heap under "recycle" (own mappings only in the first step), the
+    default (None) without parameters on nvme; the 3 steps equal the plain optimizer's bit for bit either way."""
     _glibc_skip()
     after, same = _run(
         "import tests.unit.test_offload as t\n"
