@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import mmap
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -86,7 +85,7 @@ def mapped_empty(size: Any, *, dtype: torch.dtype, min_bytes: int = 2**20) -> to
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < min_bytes:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    return nvme.host_buffer(nbytes, mmap_from=min_bytes).view(dtype).view(shape)
 
 
 def trim_heap() -> None:

@@ -99,11 +99,11 @@ def open_io(folder: str | os.PathLike) -> tuple[ThreadPoolIO | Any, str]:
 HOST_BUFFER_MMAP_BYTES = 2**20
 
 
-def host_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 host tensor of ``nbytes`` for the tier's I/O: large ones in their own anonymous ``mmap`` (zero-filled,
-    page-aligned as O_DIRECT wants), unmapped, so returned to the OS, as soon as the last tensor viewing them is freed,
-    whatever glibc's malloc settings (a freed heap buffer may stay in the process and keep the RSS up)."""
-    if nbytes < HOST_BUFFER_MMAP_BYTES:
+def host_buffer(nbytes: int, *, mmap_from: int = HOST_BUFFER_MMAP_BYTES) -> torch.Tensor:
+    """A uint8 host tensor of ``nbytes`` for the tier's I/O: from ``mmap_from`` bytes up in its own anonymous ``mmap``
+    (zero-filled, page-aligned as O_DIRECT wants), unmapped, so returned to the OS, as soon as the last tensor viewing
+    it is freed, whatever glibc's malloc settings (a freed heap buffer may stay in the process and keep the RSS up)."""
+    if nbytes < mmap_from:
         return torch.zeros(nbytes, dtype=torch.uint8)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
