@@ -10,7 +10,7 @@ Checked at ZeRO-3 (dp_shard=1) and tp=2, 10 AdamW steps on the reference Llama:
 
 * after every step the amax histories and scales of all 14 layers are bitwise equal (==) on both ranks;
 * losses and final parameters (gathered by FQN), and the final histories, match one process running the same
-  batches with delayed scaling within 1e-5 relative (both tp ranks read the same batch: no micro-batch split);
+  batches with delayed scaling within ``RTOL`` relative (the histories ``STATE_RTOL``) (both tp ranks read the same batch: no micro-batch split);
 * each converted Linear's weight is a tp-sharded DTensor, and 3 float8 GEMMs per Linear per step ran;
 * a sharded checkpoint saved at step 5 (``engine/checkpoint.save_sharded``; the histories and scales are Replicate
   DTensor buffers under TP) loads into a fresh model and optimizer with the histories as saved, and steps 6-10
@@ -23,7 +23,14 @@ import pytest
 
 from tests._dist import spawn
 
-RTOL = 1e-5
+# Against one process. A last-bit difference of a row-parallel partial sum can move a value across a float8 rounding
+# boundary of the next cast (e4m3: 3 mantissa bits), and 10 Adam steps carry it on: up to 2.95e-3 relative
+# (tok_embeddings.weight, zero_stage=3) on an Intel Xeon with torch's AVX512/AMX kernels, under 1e-5 on an AVX2
+# machine. What delayed scaling under TP must get right exactly is checked exactly (the ranks' histories and scales
+# after every step, the resumed run). The final amax histories and scales, one cast's amax apart where a value moved
+# across a boundary: 4.2e-2 (layers.0.attention.wq.scale) there; a scale from an unsynced shard amax is off by up to 2x.
+RTOL = 1e-2
+STATE_RTOL = 1e-1
 STEPS = 10
 LAYERS = 2
 CONVERTED = 7 * LAYERS  # wq, wk, wv, wo, w1, w2, w3 per block
@@ -182,7 +189,7 @@ def test_fp8_delayed_at_tp2_syncs_amax_over_tp_and_matches_one_process(tmp_path)
             assert err < RTOL, f"{at}: {n} differs by {err:.2e} relative"
         for k, ref in ref_state.items():
             err = rel_err(got["states"][-1][k], ref)
-            assert err < RTOL, f"{at}: {k} differs from one process by {err:.2e} relative"
+            assert err < STATE_RTOL, f"{at}: {k} differs from one process by {err:.2e} relative"
         # resume from the step-5 checkpoint: the histories load as saved and steps 6-10 are bit-identical
         r = got["resume"]
         assert r["loaded_equal"], f"{at}: the loaded histories/scales are not those saved at step {RESUME_AT}"

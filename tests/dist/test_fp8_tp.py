@@ -5,7 +5,7 @@ styles for them (``Float8ColwiseParallel`` for wq/wk/wv/w1/w3, ``Float8RowwisePa
 takes its amax over the whole tensor the single process would cast: the replicated input, the weight (its two
 shards' amaxes all-reduced with MAX), and the gradient of the output (``NoopFwToFloat8BwDynamic`` on the DTensor).
 So both tp ranks quantize exactly as one process running the whole batch does; what remains is the row-parallel
-partial sums' fp32 order: 5 AdamW steps agree within 1e-5 relative (losses and every final parameter, gathered by
+partial sums' fp32 order: 5 AdamW steps agree within ``RTOL`` relative (losses and every final parameter, gathered by
 FQN). Both tp ranks read the same batches, so the reference is the whole batch (no micro-batch split).
 
 Parity alone cannot tell torchao's float8 styles from plain ones here (without sequence parallelism a plain style
@@ -24,7 +24,11 @@ from tests._dist import spawn
 
 pytest.importorskip("torchao")
 
-RTOL = 1e-5
+# Against one process. A last-bit difference of a row-parallel partial sum can move a value across a float8 rounding
+# boundary of the next cast (e4m3: 3 mantissa bits), and Adam carries it on: 4.3e-4 (losses) and 5.1e-4 (parameters)
+# relative on an Intel Xeon with torch's AVX512/AMX kernels, under 1e-5 on an AVX2 machine. What the float8 TP path
+# must get right exactly is checked exactly (the casts' inputs and scales, the ranks' histories).
+RTOL = 2e-3
 STEPS = 5
 LAYERS = 2
 CONVERTED = 7 * LAYERS  # wq, wk, wv, wo, w1, w2, w3 per block

@@ -22,6 +22,9 @@ from tests._dist import spawn
 # lr 1e-3: Adam normalizes away the gradient's scale, so at 1e-2 a last-bit difference of a tiny gradient (the mean
 # of two ranks' halves vs one batch) moves a weight by ~1e-3 lr: 8.7e-6 here, over the 1e-5 relative tolerance
 VOCAB, HIDDEN, SEQ, PER_RANK, STEPS, LR, BLOCKS = 64, 32, 8, 4, 3, 1e-3, 4
+# parameters against one process: the same effect at lr 1e-3 is 1.3e-5 relative (layers.2.fc1.weight) with torch's
+# AVX512 kernels on an Intel Xeon (AMX), under 1e-5 with the AVX2 ones; a lost reduction or an unsynced rank is ~lr
+PARAM_RTOL = 5e-5
 WORLD = 2
 
 
@@ -245,7 +248,7 @@ def test_zero3_overlap_is_bitwise_and_really_overlaps() -> None:
     for a, b in zip(on["losses"], ref["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (on["losses"], ref["losses"])
     for n, p in ref["params"].items():
-        assert (on["params"][n] - p).abs().max() <= 1e-5 * p.abs().max(), n
+        assert (on["params"][n] - p).abs().max() <= PARAM_RTOL * p.abs().max(), n
     # the collectives ran while blocks computed (and did not with overlap off)
     assert _prefetched_ahead(on["trace"], 1), on["trace"]
     assert _prefetched_ahead(deep["trace"], 2) and not _prefetched_ahead(on["trace"], 2), deep["trace"]
@@ -325,7 +328,7 @@ def test_zero12_buckets_reduce_during_backward_bitwise() -> None:
         for a, b in zip(on["losses"], ref["losses"]):
             assert abs(a - b) <= 1e-5 * abs(b), (stage, on["losses"], ref["losses"])
         for n, p in ref["params"].items():
-            assert (on["params"][n] - p).abs().max() <= 1e-5 * p.abs().max(), (stage, n)
+            assert (on["params"][n] - p).abs().max() <= PARAM_RTOL * p.abs().max(), (stage, n)
         assert _reduces_start_during_backward(on["trace"]), (stage, on["trace"])
         assert not _reduces_start_during_backward(off["trace"]), (stage, off["trace"])
         # every bucket was launched before backward returned (the step waits for nothing more)

@@ -36,7 +36,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("litgpt")
 
 RTOL = 1e-5
-DELTA_RTOL = 1e-4
+# the update (final - initial) of the parameter whose update is smallest: 3.3e-4 relative for litgpt on an Intel Xeon
+# (AVX512/AMX kernels; under 1e-4 on AVX2), while its losses and parameters agree to 1e-7
+DELTA_RTOL = 1e-3
 STEPS = 3
 LR = 0.5
 ROWS, SEQ, VOCAB = 8, 16, 128
