@@ -7,8 +7,8 @@ of the rank's shard), the peak RSS (``ru_maxrss``), the drop against ``none`` as
 (target >= 0.8 for nvme), the bytes of the rank's files on the nvme tier after the last step, and the losses (which
 must be identical across arms).
 
-``nvme`` runs the default ``host_memory="recycle"`` (glibc's heap recycles forward/backward allocations; the tier's
-own and the sharded gradients are their own mappings); ``nvme_return`` is the nvme arm with
+``nvme`` runs the default ``host_memory="recycle"`` (glibc's heap recycles forward's and the step's allocations; the
+tier's own and the sharded gradients are their own mappings, backward's large buffers never grow the heap); ``nvme_return`` is the nvme arm with
 ``OffloadPolicy(host_memory="return")`` (glibc's mmap threshold at 1 MiB for the process: every freed host allocation
 of 1 MiB or more leaves the RSS, and on this CPU-only machine every activation of that size is faulted in anew each
 step). Each result also has rank 0's system CPU seconds and minor page faults per timed step.
@@ -63,7 +63,7 @@ from bench import _common as C
 #: none_mmap: no offload, but glibc's mmap threshold fixed at 1 MiB as the nvme tier does (separates the allocator's
 #: share of the RSS drop from the offload's)
 #: nvme_return: the nvme arm with OffloadPolicy(host_memory="return"): a process-wide 1 MiB mmap threshold instead of
-#: the default "recycle", where glibc's heap recycles forward/backward allocations (config.OffloadPolicy)
+#: the default "recycle", where glibc's heap recycles forward's and the step's allocations (config.OffloadPolicy)
 #: nvme_params: offload_optimizer="nvme" and offload_params="nvme" (ZeRO-Infinity: the parameter shards on nvme too);
 #: nvme_params_bf16: the same under precision="bf16-mixed"
 #: ds_*: raw DeepSpeed ZeRO-3 with DeepSpeedCPUAdam, the same tiers (module docstring)

@@ -94,7 +94,7 @@ class HostMemory(StrEnum):
     """How an nvme offload tier sets glibc's malloc (``OffloadPolicy.host_memory``)."""
 
     RETURN = "return"  # mmap threshold 1 MiB for the whole process: freed host memory leaves the RSS
-    RECYCLE = "recycle"  # 1 MiB only where the tier's own allocations happen; the heap recycles the rest
+    RECYCLE = "recycle"  # 1 MiB only where the tier's own allocations happen and (ZeRO-3) in backward; the heap recycles the rest
 
     @classmethod
     def default(cls, *, nvme_params: bool) -> HostMemory:
@@ -325,9 +325,10 @@ class OffloadPolicy:
             DeepSpeed config, where it also sizes the step without offload).
         host_memory: how an nvme tier sets glibc's malloc (None: "recycle", or "return" with ``params="nvme"``;
             only with an nvme tier). "recycle" gives allocations their own mappings (unmapped, so out of the RSS,
-            when freed) only where the tier's own happen (the first step, checkpoint loads) and to the sharded
-            gradients (ZeRO-3), and lets glibc's heap recycle the rest as without offload (103M-param GPT on CPU:
-            peak RSS drop 0.77-0.91x the planned optimizer state; its heap's fragmentation keeps the rest). "return"
+            when freed) only where the tier's own happen (the first step, checkpoint loads), to the sharded
+            gradients and (ZeRO-3) inside backward, whose large buffers then never grow the heap, and lets glibc's
+            heap recycle the rest (forward, the step) as without offload (103M-param GPT on CPU: peak RSS drop
+            0.89-1.15x the planned optimizer state; its heap's fragmentation keeps the rest). "return"
             fixes the mmap threshold at 1 MiB for the whole process: every host allocation of 1 MiB or more is its
             own mapping, so the offloaded bytes leave whatever the fragmentation (a drop of 1.4x: the fragmentation
             of the run without offload goes too), but host allocations of that size that recur every step (the

@@ -490,7 +490,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipelined():
             return closure_loss.detach()  # the pipeline schedule already ran backward (NeMo's skip-backward)
-        with self._watch("backward"), self._loss_parallel():
+        with self._watch("backward"), self._loss_parallel(), self.zero.backward_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @contextmanager

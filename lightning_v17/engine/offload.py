@@ -53,13 +53,13 @@ Memory really drops on the nvme tier only if the state leaves the process, and g
 * ``"recycle"`` (default without ``offload_params="nvme"``): only the steps where the tier's own allocations happen
   run inside :func:`own_mappings` (the first step, where the optimizer creates its state as ordinary tensors that
   the tier packs into its buffers and frees, and checkpoint loads); afterwards the threshold is 32 MiB, glibc's own
-  dynamic maximum, so forward and backward recycle their allocations in the heap as without the tier. At ZeRO-3 the
-  sharded gradients, which live from their unit's backward to ``zero_grad`` while forward and backward allocate and
-  free around them, are their own mappings (``collectives.map_gradient_buffers``, the reduce-scatter outputs only):
-  on the heap they pinned its top and fragmented it (a ``mallopt`` threshold does not help there: malloc serves a
-  request from a free heap chunk before it considers a mapping). The heap still fragments somewhat as the run goes
-  on (as without offload), keeping part of the offloaded bytes resident (103M-param GPT: a peak RSS drop of
-  0.77-0.91 of the planned bytes against no offload, 0.57-0.72 with the gradients on the heap).
+  dynamic maximum, so forward and the step recycle their allocations in the heap as without the tier. At ZeRO-3 the
+  sharded gradients, which live from their unit's backward to ``zero_grad``, are their own mappings
+  (``collectives.map_gradient_buffers``, the reduce-scatter outputs only; on the heap they pinned its top), and
+  backward runs inside :func:`own_mappings` (``ZeroBackend.backward_context``): its large buffers, all freed before
+  the step, fill free heap chunks or get mappings but never grow the heap (malloc serves a request from a free chunk
+  before it considers a mapping). 103M-param GPT: a peak RSS drop of 0.89-1.15 of the planned bytes against no
+  offload (0.72-0.93 with backward on the heap, 0.57-0.72 with the gradients there too).
 * ``"return"`` (and with ``offload_params="nvme"``): glibc's mmap threshold is fixed at 1 MiB for the whole process
   (``mallopt``, which also ends glibc's dynamic raise of it): every host allocation of 1 MiB or more is its own
   mapping, unmapped when freed, so the heap keeps nothing of that size (103M GPT: a drop of 1.4 of the planned
@@ -180,7 +180,7 @@ class OptimizerOffload:
             back after its step.
         host_memory: ``OffloadPolicy.host_memory`` with an nvme tier (None: "recycle", "return" with ``params``):
             "return" fixes glibc's mmap threshold at 1 MiB for the process; "recycle" only inside
-            :func:`own_mappings` (module docstring).
+            :func:`own_mappings` (module docstring; backward's is the strategy's).
     """
 
     def __init__(
