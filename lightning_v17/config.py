@@ -94,7 +94,8 @@ class HostMemory(StrEnum):
     """How an nvme offload tier sets glibc's malloc (``OffloadPolicy.host_memory``)."""
 
     RETURN = "return"  # mmap threshold 1 MiB for the whole process: freed host memory leaves the RSS
-    RECYCLE = "recycle"  # 1 MiB only where the tier's own allocations happen and (ZeRO-3) in backward; the heap recycles the rest
+    #: 1 MiB only where the tier's own allocations happen and (ZeRO-3) in backward; the heap recycles the rest
+    RECYCLE = "recycle"
 
     @classmethod
     def default(cls, *, nvme_params: bool) -> HostMemory:

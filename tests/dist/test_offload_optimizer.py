@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from tests._dist import spawn
+from tests._glibc import mallinfo2, mapped_by
 from tests.dist.test_offload_params import check_fp32, fit_params, too_small
 from tests.dist.test_optim_library import (
     EIGHT_BIT_LOSS_TOL,
@@ -58,26 +59,14 @@ EPOCH_STEPS = 3  # the resume case: one epoch is 3 steps, the checkpoint is at i
 
 def _malloc_maps() -> bool | str:
     """Whether glibc gives a CPU tensor too large for any free heap chunk (``fordblks``, all arenas, + 1 MiB) a
-    mapping of its own (mallinfo2's mmapped bytes grow by its size) rather than growing the heap: whether its mmap
-    threshold is at most that size right now. A request a free chunk can hold is served from the heap whatever the
-    threshold, so that is what the threshold decides. Needs the size below 32 MiB (glibc's largest dynamic
-    threshold, the one after ``own_mappings``), else says how much is free."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]  # fmt: skip
-
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    mallinfo2.restype = MallInfo2
-    info = mallinfo2()
-    nbytes = info.fordblks + 2**20
+    mapping of its own rather than growing the heap: whether its mmap threshold is at most that size right now. A
+    request a free chunk can hold is served from the heap whatever the threshold, so that is what the threshold
+    decides. Needs the size below 32 MiB (glibc's largest dynamic threshold, the one after ``own_mappings``), else
+    says how much is free."""
+    nbytes = mallinfo2().fordblks + 2**20
     if nbytes >= 32 * 2**20:
-        return f"{info.fordblks} B free in the heap: cannot tell"
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    grew = mallinfo2().hblkhd - info.hblkhd >= nbytes
-    del t
-    return grew
+        return f"{nbytes - 2**20} B free in the heap: cannot tell"
+    return mapped_by(nbytes) >= nbytes
 
 
 def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float = 1.0, max_steps: int = STEPS,

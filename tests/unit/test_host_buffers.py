@@ -11,23 +11,9 @@ import pytest
 from lightning_v17.engine.host_buffers import _libc
 
 _MALLINFO = r"""
-import ctypes, torch
+import torch
 from lightning_v17.engine import host_buffers as hb
-
-class MI2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MI2
-
-def mapped_by(nbytes):
-    '''bytes malloc serves from their own mappings (mallinfo2's hblkhd) while a tensor of nbytes is alive'''
-    m0 = libc.mallinfo2().hblkhd
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    m = libc.mallinfo2().hblkhd - m0
-    del t
-    return m
+from tests._glibc import mapped_by
 """
 
 
