@@ -16,9 +16,10 @@ step). Each result also has rank 0's system CPU seconds and minor page faults pe
 ``nvme_params`` adds ``offload_params="nvme" to the nvme arm (ZeRO-Infinity: the parameter shards on nvme too,
 ``lightning_v17/engine/param_offload.py``); its row gives the planner's fp32 parameter shard of the rank
 (``planned_param_bytes``: 4 B/param over dp=2, ``model_state_bytes_per_rank``), the bytes of the rank's parameter
-files and of shards left in memory after the last step, and the RSS drop against the ``nvme_return`` arm (the same
-glibc setting: parameters on nvme imply "return") as a fraction of the planned shard
-(``drop_vs_nvme_over_planned_params``; target >= 0.8).
+files and of shards left in memory after the last step (the next forward's first units), and the RSS drop against
+the ``nvme_return`` arm (the same glibc setting: parameters on nvme default to ``host_memory="return"``) as a fraction
+of the planned shard (``drop_vs_nvme_over_planned_params``; target >= 0.8). ``nvme_params_recycle`` and
+``nvme_params_bf16_recycle`` are those arms with ``host_memory="recycle"`` (the first against the ``nvme`` arm).
 
 On this CPU-only machine the cpu tier shares memory with compute (no drop expected; it shows the chunked step's
 cost), and the nvme tier is a directory on the local disk (``--nvme-path``; the page cache may serve the reads).
@@ -43,7 +44,7 @@ DeepSpeed's nvme tier needs its ``async_io`` op (Debian's ``libaio-dev``); witho
 start with DeepSpeed's own message, and the V17 arms use the thread-pool backend (``io_backend`` in the JSON).
 
     python bench/offload.py                       # every arm, 1 round
-    python bench/offload.py --arms none_mmap,nvme_return,nvme_params   # the parameter-offload table
+    python bench/offload.py --arms none,nvme_return,nvme_params   # the parameter-offload table
     python bench/offload.py --arms none,nvme --rounds 2 --shape '{"hidden": 512, "layers": 4}'
 """
 
@@ -74,13 +75,16 @@ ARMS = (
     "nvme",
     "nvme_return",
     "nvme_params",
+    "nvme_params_recycle",
     "nvme_params_bf16",
+    "nvme_params_bf16_recycle",
     "ds_cpu",
     "ds_nvme",
     "ds_nvme_params_bf16",
 )
 #: ours -> DeepSpeed's arm with the same tiers and precision
-DS_ANCHOR = {"cpu": "ds_cpu", "nvme": "ds_nvme", "nvme_return": "ds_nvme", "nvme_params_bf16": "ds_nvme_params_bf16"}
+DS_ANCHOR = {"cpu": "ds_cpu", "nvme": "ds_nvme", "nvme_return": "ds_nvme", "nvme_params_bf16": "ds_nvme_params_bf16",
+             "nvme_params_bf16_recycle": "ds_nvme_params_bf16"}  # fmt: skip
 LR, WEIGHT_DECAY = 1e-4, 0.01
 #: >= 100M parameters (103.3M): 8 blocks of width 1024; short sequences keep a step near a second on 2 cores
 DEFAULT_SHAPE = {"vocab": 1024, "hidden": 1024, "layers": 8, "heads": 16, "seq": 64, "batch": 1}
@@ -152,12 +156,18 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
                 busy["after_warmup"] = busy["s"]
             po = trainer.strategy.zero.param_offload
             if po is not None:
-                info["param_disk_bytes"], info["param_resident_bytes"] = po.disk_bytes(), po.resident_bytes()
                 info["param_io_wait_s"] = round(po.io_wait_s, 3)
+            timer.after_step(batch_idx)
+
+        def on_train_end(self, trainer, pl_module):
+            # after the timed steps (both wait for the write-backs in flight)
+            off, po = offload_of(trainer.optimizers[0]), trainer.strategy.zero.param_offload
+            if po is not None:  # left in memory: the next forward's first units (ParamOffload.forward_first)
+                info["param_disk_bytes"] = po.disk_bytes()
+                info["param_resident_bytes"] = po.resident_bytes()
             if off is not None:
                 info["disk_bytes"] = off.disk_bytes()
                 info["chunks"], info["nvme_chunks"], info["io_backend"] = len(off.chunks), off.nvme_chunks, off.backend
-            timer.after_step(batch_idx)
 
     offload = None
     if arm == "none_mmap":
@@ -166,7 +176,8 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
         fix_mmap_threshold()
     elif arm.startswith("nvme_params"):
         offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb,
-                                buffer_count=args.buffer_count)  # fmt: skip
+                                buffer_count=args.buffer_count,
+                                host_memory="recycle" if arm.endswith("_recycle") else None)  # fmt: skip
     elif arm != "none":
         tier = arm.removesuffix("_return")
         offload = OffloadPolicy(optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None,
@@ -174,7 +185,7 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
                                 host_memory="return" if arm.endswith("_return") else None)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=V17Strategy(zero_stage=3, offload=offload),
-        precision="bf16-mixed" if arm.endswith("_bf16") else "32-true",
+        precision="bf16-mixed" if "_bf16" in arm else "32-true",
         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[Timing()],
@@ -352,9 +363,10 @@ def main(argv: list[str] | None = None) -> dict:
     table = []
     base = results.get("none", {}).get("peak_rss_mb")
     base_mmap = results.get("none_mmap", {}).get("peak_rss_mb")
-    # nvme_params' own drop against the nvme_return arm (parameters on nvme imply host_memory="return": the same 1 MiB
-    # mmap threshold), when that arm ran
-    base_nvme = results.get("nvme_return", {}).get("peak_rss_mb")
+    # nvme_params' own drop against the nvme arm with the same glibc setting (parameters on nvme default to
+    # host_memory="return"; nvme_params_recycle against the default nvme arm), when that arm ran
+    base_nvme = {"nvme_params": results.get("nvme_return", {}).get("peak_rss_mb"),
+                 "nvme_params_recycle": results.get("nvme", {}).get("peak_rss_mb")}  # fmt: skip
     for a in arms:
         ok = [r for r in runs[a] if r["ok"]]
         if not ok:
@@ -368,8 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "planned_param_bytes": rk.get("planned_param_bytes"), "param_disk_bytes": rk.get("param_disk_bytes"),
                 "param_resident_bytes": rk.get("param_resident_bytes"),
             }  # fmt: skip
-            if a == "nvme_params" and base_nvme is not None:  # the parameters' own share (target >= 0.8)
-                drop = (base_nvme[k] - row["peak_rss_mb"]) * 2**20
+            if base_nvme.get(a) is not None:  # the parameters' own share (target >= 0.8)
+                drop = (base_nvme[a][k] - row["peak_rss_mb"]) * 2**20
                 row["drop_vs_nvme_over_planned_params"] = round(drop / rk["planned_param_bytes"], 3)
             if base is not None:
                 drop = (base[k] - row["peak_rss_mb"]) * 2**20
@@ -381,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
             table.append(row)
     losses = {a: [r for r in runs[a] if r["ok"]][-1]["ranks"][0]["losses"] for a in arms if results[a]["tokens_per_s"]}
     # DeepSpeed reduces in another order; bf16 arms compute in another precision: compare like with like
-    v17_losses = {a: v for a, v in losses.items() if not a.startswith("ds_") and not a.endswith("_bf16")}
+    v17_losses = {a: v for a, v in losses.items() if not a.startswith("ds_") and "_bf16" not in a}
     first = next(iter(v17_losses.values()), None)
     out = {
         "model": {"name": "bench._common.build_gpt (pre-LN GPT, fp32)", **C.shape_dict(shape)},

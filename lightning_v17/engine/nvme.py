@@ -139,13 +139,14 @@ class ThreadPoolIO:
         self.bytes_read = self.bytes_written = 0
 
     @staticmethod
-    def _write(path: Path, t: torch.Tensor, fsync: bool) -> int:
+    def _write(path: Path, t: torch.Tensor, fsync: bool, offset: int | None = None) -> int:
         buf = _as_bytes(t)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)
+        fd = os.open(path, flags, 0o600)
         try:
-            off = 0
+            off, at = 0, offset or 0
             while off < len(buf):
-                off += os.pwrite(fd, buf[off:], off)
+                off += os.pwrite(fd, buf[off:], at + off)
             if fsync:
                 os.fsync(fd)
         finally:
@@ -153,15 +154,15 @@ class ThreadPoolIO:
         return off
 
     @staticmethod
-    def _read(path: Path, t: torch.Tensor) -> torch.Tensor:
+    def _read(path: Path, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
         buf = _as_bytes(t)
         fd = os.open(path, os.O_RDONLY)
         try:
             off = 0
             while off < len(buf):
-                n = os.preadv(fd, [buf[off:]], off)
+                n = os.preadv(fd, [buf[off:]], offset + off)
                 if n == 0:
-                    raise OSError(f"{path}: file ends at {off} of {len(buf)} bytes (truncated offload file)")
+                    raise OSError(f"{path}: file ends at {offset + off} of {offset + len(buf)} bytes (truncated offload file)")
                 off += n
         finally:
             os.close(fd)
@@ -176,21 +177,22 @@ class ThreadPoolIO:
     def free(t: torch.Tensor) -> None:
         """Nothing to do: the mapping is unmapped with the last tensor viewing it."""
 
-    def write(self, path: Path, t: torch.Tensor) -> Future:
-        """Write ``t``'s bytes to ``path`` (whole file) asynchronously; the future holds ``t`` until done."""
+    def write(self, path: Path, t: torch.Tensor, offset: int | None = None) -> Future:
+        """Write ``t``'s bytes to ``path`` asynchronously: the whole file, or (``offset``) in place at that byte of
+        an existing file; the future holds ``t`` until done."""
         self.bytes_written += t.numel() * t.element_size()
-        return self._writer.submit(self._write, path, t, self.fsync)
+        return self._writer.submit(self._write, path, t, self.fsync, offset)
 
     def read(self, path: Path, nbytes: int) -> Future:
         """Read ``path`` into a fresh uint8 tensor of ``nbytes`` asynchronously; the future's result is it."""
         self.bytes_read += nbytes
         return self._reader.submit(self._read, path, host_buffer(nbytes))
 
-    def read_into(self, path: Path, t: torch.Tensor) -> Future:
-        """Read ``path`` into the existing contiguous CPU tensor ``t`` (its bytes) asynchronously; the result is ``t``.
-        The caller must not touch ``t`` until the future is done (the parameter tier reads into a shard's storage)."""
+    def read_into(self, path: Path, t: torch.Tensor, offset: int = 0) -> Future:
+        """Read ``path`` (from byte ``offset``) into the existing contiguous CPU tensor ``t`` (its bytes)
+        asynchronously; the result is ``t``. The caller must not touch ``t`` until the future is done."""
         self.bytes_read += t.numel() * t.element_size()
-        return self._reader.submit(self._read, path, t)
+        return self._reader.submit(self._read, path, t, offset)
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)

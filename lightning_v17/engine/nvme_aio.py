@@ -113,50 +113,56 @@ class AioIO:
     def _padded(self, n: int) -> int:
         return -(-n // self.alignment) * self.alignment
 
-    def _write(self, path: Path, t: torch.Tensor) -> int:
+    def _write(self, path: Path, t: torch.Tensor, offset: int | None = None) -> int:
         src = _as_bytes(t)
         n = src.numel()
         buf = src
         if n % self.alignment:
             buf = host_buffer(self._padded(n))  # zero-filled: the padding stays 0
             buf[:n].copy_(src)
-        if path.exists() and path.stat().st_size != buf.numel():
+        if offset is None and path.exists() and path.stat().st_size != buf.numel():
             path.unlink()  # O_DIRECT writes do not truncate: a shorter file must not keep an old tail
-        rc = self._wh.sync_pwrite(buf, str(path))
+        if (offset or 0) % self.alignment:
+            raise ValueError(f"{path}: offset {offset} is not a multiple of the O_DIRECT alignment {self.alignment}")
+        rc = self._wh.sync_pwrite(buf, str(path), offset or 0)
         size = path.stat().st_size if path.exists() else -1
-        if rc < 0 or size != buf.numel():  # the op can report success for a write the kernel refused (EINVAL)
+        end = (offset or 0) + buf.numel()
+        if rc < 0 or size < end or (offset is None and size != end):  # the op can report success for a refused write
             raise OSError(f"{path}: DeepSpeed async_io write of {buf.numel()} bytes failed (rc {rc}, file {size} B)")
         return n
 
-    def _read(self, path: Path, t: torch.Tensor) -> torch.Tensor:
+    def _read(self, path: Path, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
         dst = _as_bytes(t)
         n = dst.numel()
+        m = self._padded(n)  # O_DIRECT reads whole blocks: the file holds them (written padded)
+        if offset % self.alignment:
+            raise ValueError(f"{path}: offset {offset} is not a multiple of the O_DIRECT alignment {self.alignment}")
         size = path.stat().st_size
-        if size < n:
-            raise OSError(f"{path}: file ends at {size} of {n} bytes (truncated offload file)")
-        if size % self.alignment:
-            raise OSError(f"{path}: {size} bytes is not a multiple of the O_DIRECT alignment {self.alignment}")
-        buf = dst if size == n else host_buffer(size)
-        if self._rh.sync_pread(buf, str(path)) < 0:
+        if size < offset + m:
+            raise OSError(f"{path}: file ends at {size} of {offset + m} bytes (truncated offload file)")
+        buf = dst if m == n else host_buffer(m)
+        if self._rh.sync_pread(buf, str(path), offset) < 0:
             raise OSError(f"{path}: DeepSpeed async_io read of {buf.numel()} bytes failed")
         if buf is not dst:
             dst.copy_(buf[:n])
         return t
 
-    def write(self, path: Path, t: torch.Tensor) -> Future:
-        """Write ``t``'s bytes to ``path`` (whole file, padded) asynchronously; the future holds ``t`` until done."""
+    def write(self, path: Path, t: torch.Tensor, offset: int | None = None) -> Future:
+        """Write ``t``'s bytes to ``path`` asynchronously: the whole file (padded), or (``offset``, a multiple of
+        :attr:`alignment`) in place at that byte of an existing file; the future holds ``t`` until done."""
         self.bytes_written += t.numel() * t.element_size()
-        return self._writer.submit(self._write, path, t)
+        return self._writer.submit(self._write, path, t, offset)
 
     def read(self, path: Path, nbytes: int) -> Future:
         """Read ``path`` into a fresh uint8 tensor of ``nbytes`` asynchronously; the future's result is it."""
         self.bytes_read += nbytes
         return self._reader.submit(self._read, path, host_buffer(nbytes))
 
-    def read_into(self, path: Path, t: torch.Tensor) -> Future:
-        """Read ``path`` into the existing contiguous CPU tensor ``t`` asynchronously; the result is ``t``."""
+    def read_into(self, path: Path, t: torch.Tensor, offset: int = 0) -> Future:
+        """Read ``path`` (from byte ``offset``, a multiple of :attr:`alignment`) into the existing contiguous CPU tensor
+        ``t`` asynchronously; the result is ``t``."""
         self.bytes_read += t.numel() * t.element_size()
-        return self._reader.submit(self._read, path, t)
+        return self._reader.submit(self._read, path, t, offset)
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)

@@ -60,7 +60,7 @@ Memory really drops on the nvme tier only if the state leaves the process, and g
   the step, fill free heap chunks or get mappings but never grow the heap (malloc serves a request from a free chunk
   before it considers a mapping). 103M-param GPT: a peak RSS drop of 0.89-1.15 of the planned bytes against no
   offload (0.72-0.93 with backward on the heap, 0.57-0.72 with the gradients there too).
-* ``"return"`` (and with ``offload_params="nvme"``): glibc's mmap threshold is fixed at 1 MiB for the whole process
+* ``"return"`` (default with ``offload_params="nvme"``; "recycle" applies there too): glibc's mmap threshold is fixed at 1 MiB for the whole process
   (``mallopt``, which also ends glibc's dynamic raise of it): every host allocation of 1 MiB or more is its own
   mapping, unmapped when freed, so the heap keeps nothing of that size (103M GPT: a drop of 1.4 of the planned
   bytes, the run without offload's own fragmentation gone too; 0.85 against no offload under the same threshold).
@@ -197,11 +197,8 @@ class OptimizerOffload:
         host_memory: HostMemory | str | None = None,
     ) -> None:
         tier = Tier.parse(tier, "offload_optimizer")
-        if host_memory is None:
-            host_memory = HostMemory.default(nvme_params=params is not None)
-        host_memory = parse_enum(HostMemory, host_memory, option="host_memory")
-        if host_memory == HostMemory.RECYCLE and params is not None:
-            raise V17ConfigError("host_memory='recycle' cannot apply with parameters on the nvme tier; use 'return'")
+        host_memory = parse_enum(HostMemory, host_memory or HostMemory.default(nvme_params=params is not None),
+                                 option="host_memory")  # fmt: skip
         if tier == Tier.NONE and params is None:
             raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme' (or parameters on the nvme tier)")
         self.param_tier = params
@@ -431,10 +428,13 @@ class OptimizerOffload:
         opt = self.optimizer
         pt = self.param_tier
         precs = [pt.recs_of(self.params[i] for i in c.params) for c in self.chunks] if pt is not None else []
+        keep: set[int] = set()
         if pt is not None:
-            pt.release_all()  # reads ahead that forward/backward left unused
-            for k in range(min(self.depth, len(self.chunks))):
-                pt.prefetch(precs[k])
+            pt.step_first = [r for k in range(min(self.depth, len(self.chunks))) for r in precs[k]]
+            first = {id(r) for r in pt.step_first}
+            pt.release([r for r in pt.recs if id(r) not in first])  # reads ahead that forward/backward left unused
+            pt.prefetch(pt.step_first)  # (read ahead at the end of backward, but for the first step)
+            keep = {id(r) for r in pt.forward_first()}  # stay in memory for the next forward's first all-gathers
         groups = opt.param_groups
         group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
         originals = [g["params"] for g in groups]
@@ -461,15 +461,14 @@ class OptimizerOffload:
                         g["params"] = ps
                 if c.tier == Tier.NVME:
                     self._spill(k)
-                if pt is not None:
-                    pt.release(precs[k], dirty=True)  # the stepped shards back to their tier
+                if pt is not None:  # the stepped shards back to their tier, but the next forward's first ones
+                    pt.release([r for r in precs[k] if id(r) not in keep], dirty=True)
+                    pt.keep(r for r in precs[k] if id(r) in keep)
         finally:
             opt.param_groups = groups
             # the last chunks' writes stay in flight into the next forward/backward (at most buffer_count - 1:
             # _spill bounds them); a read of such a chunk takes the buffer being written (_read), and saves, close
-            # and disk_bytes wait for them
-            if pt is not None:
-                pt.flush()
+            # and disk_bytes wait for them. The parameter tier's too (released as they complete)
 
     # -------------------------------------------------------------- checkpoints and lifetime
     @contextmanager

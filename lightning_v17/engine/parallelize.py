@@ -174,7 +174,7 @@ def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: Train
     backend.param_offload = ParamOffload(
         [m for m in module.modules() if isinstance(m, FSDPModule)], nvme_path=policy.offload.nvme_path,
         rank=dist.get_rank() if dist.is_initialized() else 0, prefetch_units=policy.zero.prefetch_units,
-        buffer_count=policy.offload.buffer_count,
+        buffer_count=policy.offload.buffer_count, host_memory=policy.offload.host_memory,
     )  # fmt: skip
 
 

@@ -146,7 +146,8 @@ class ZeroBackend:
 
             rank = dist.get_rank() if dist.is_initialized() else 0
             host_memory = offload.host_memory or HostMemory.default(nvme_params=params is not None)
-            if offload.optimizer == "nvme" and host_memory == HostMemory.RECYCLE and self.engine is None:
+            nvme_tier = offload.optimizer == "nvme" or params is not None
+            if nvme_tier and host_memory == HostMemory.RECYCLE and self.engine is None:
                 # the sharded gradients outside the heap that forward/backward recycle (collectives.py), and
                 # backward's own buffers too (backward_context)
                 map_gradient_buffers(self.module)

@@ -42,7 +42,8 @@ def _run(rank: int, world: int, root: str, phase: str, params: str = "none") -> 
             assert offload_of(opt) is not None and offload_of(opt).nvme_chunks > 0
             po = trainer.strategy.zero.param_offload
             assert (po is not None) == (params == "nvme")
-            if po is not None:
+            if po is not None:  # after the write-backs in flight
+                po.flush()
                 seen.setdefault("param_resident", []).append(po.resident_bytes())
             seen["own_bytes"].append(sum(v._local_tensor.numel() for st in opt.state.values() for v in st.values()
                                          if hasattr(v, "_local_tensor") and v.dim() > 0))  # fmt: skip

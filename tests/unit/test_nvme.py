@@ -85,6 +85,7 @@ def test_offload_policy_values() -> None:
     p = OffloadPolicy(optimizer="nvme", nvme_path="/x", optimizer_ratio=0.25, buffer_count=3)
     assert (p.optimizer, p.optimizer_ratio, p.buffer_count) == (Tier.NVME, 0.25, 3)
     assert p.host_memory is None and OffloadPolicy(optimizer="nvme", nvme_path="/x", host_memory="recycle").host_memory
+    assert OffloadPolicy(params="nvme", nvme_path="/x", host_memory="recycle").host_memory == "recycle"
     for kw, match in (
         ({"optimizer": "nvme", "nvme_path": "/x", "optimizer_ratio": 0.0}, r"offload_optimizer_ratio=0.0 must be"),
         ({"optimizer": "nvme", "nvme_path": "/x", "optimizer_ratio": 1.5}, r"offload_optimizer_ratio=1.5 must be"),
@@ -94,8 +95,6 @@ def test_offload_policy_values() -> None:
         ({"optimizer": "nvme"}, r"an 'nvme' offload tier needs nvme_path="),
         ({"optimizer": "nvme", "nvme_path": "/x", "host_memory": "keep"}, r"host_memory='keep' is not supported; choose one of 'return', 'recycle'"),
         ({"optimizer": "cpu", "host_memory": "recycle"}, r"sets glibc's malloc for an nvme tier, and there is none"),
-        ({"optimizer": "nvme", "params": "nvme", "nvme_path": "/x", "host_memory": "recycle"},
-         r"'recycle' cannot apply with offload_params='nvme'"),
     ):
         with pytest.raises(V17ConfigError, match=match):
             OffloadPolicy(**kw)

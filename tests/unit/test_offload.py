@@ -192,17 +192,6 @@ def test_closed_offload_names_the_reason(tmp_path) -> None:
         assert len(opt.state) == len(list(opt.param_groups[0]["params"]))
 
 
-def test_recycle_with_parameters_on_nvme_is_refused(tmp_path) -> None:
-    """The engine's own check (OffloadPolicy refuses the same pair, tests/unit/test_nvme.py): "recycle" scopes glibc's
-    threshold, and the parameter tier needs it for the whole process."""
-    from lightning_v17.config import V17ConfigError
-
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
-    with pytest.raises(V17ConfigError, match=r"host_memory='recycle' cannot apply with parameters on the nvme tier"):
-        attach_offload(opt, tier="nvme", nvme_path=str(tmp_path), params=object(), host_memory="recycle")
-    assert not list(tmp_path.iterdir())  # refused before any file
-
-
 def test_free_space_checked_before_step_zero(tmp_path) -> None:
     """The planner's bytes for this rank's state (AdamW: 8 B/param) against the drive's real free space: a
     parameter on the meta device (no memory) big enough to overflow the drive is refused at attach time."""
