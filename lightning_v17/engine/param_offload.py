@@ -24,15 +24,17 @@ When a shard is in memory ("resident"):
   ``wait_for_unshard``, released after that). Fetching a unit issues the reads of the next ``prefetch_units``
   units that will all-gather and are not in memory, in the order of a step: root, units 0..n-1, then backward's
   units n-1..0 (so forward's last units read backward's first ones ahead; the last unit itself stays in memory from
-  its forward all-gather to its backward one), then the optimizer step's first chunks (read during backward's last
-  units). Parameters are not changed by forward or backward, so a release frees the memory without writing.
+  its forward all-gather to its backward one), then (``host_memory="recycle"``) the optimizer step's first chunks
+  (read during backward's last units). The reads ahead are issued once the unit's shards are released, so its buffer
+  serves the next read. Parameters are not changed by forward or backward, so a release frees the memory without
+  writing.
 * **optimizer step**: the optimizer's step (:class:`~lightning_v17.engine.offload.OptimizerOffload`, attached with
   every ``offload_optimizer`` tier, "none" included, when parameters are on nvme) runs chunk by chunk and asks this
   object for each chunk's parameters (reads issued ``buffer_count - 1`` chunks ahead); after the chunk's step the
-  changed shards are written back asynchronously and released when the write completes, except those the next
-  forward all-gathers first (the root group and ``prefetch_units`` units, :meth:`ParamOffload.forward_first`): they
-  stay in memory, marked changed, and are written back when forward releases them. So a rank never holds all its
-  parameter shards at once, and between steps holds only those.
+  changed shards are written back asynchronously and released when the write completes; under "recycle" except those
+  the next forward all-gathers first (the root group and ``prefetch_units`` units, :meth:`ParamOffload.forward_first`):
+  they stay in memory, marked changed, and are written back when forward releases them. So a rank never holds all its
+  parameter shards at once, and between steps holds none (those few under "recycle").
 * **FSDP2's lazy init** (``reset_sharded_param`` compares the shard's storage pointer) and **state dicts**: a
   ``state_dict`` returns fresh copies of the shards (read from their files, or copied while in memory: saves read
   the tier; the copies stay valid however long an asynchronous save holds them); ``load_state_dict`` fetches a
@@ -43,8 +45,11 @@ When a shard is in memory ("resident"):
   data), also for the shards kept in memory between steps, and reading it raises an error that names the parameter
   and this fix (it used to read freed memory and crash the process).
 
-glibc (``OffloadPolicy.host_memory``, default "return" here): "return" fixes the mmap threshold at 1 MiB for the
-process, so every freed allocation of that size leaves the RSS; "recycle" only maps the tier's own buffers (on a
+glibc (``OffloadPolicy.host_memory``, default "return" here): "return" (memory first) fixes the mmap threshold at
+1 MiB for the process, so every freed allocation of that size leaves the RSS, and keeps no idle buffer and nothing
+read ahead beyond ``prefetch_units`` (103M-param GPT: peak RSS a further 0.87/0.97 of the parameter shard below the
+optimizer-only tier; 3.7M GPT in bf16: 0.92x DeepSpeed's tokens/s, every activation a fresh mapping); "recycle"
+(speed first: 1.15x DeepSpeed there) only maps the tier's own buffers (on a
 thread that allocates nothing else: malloc serves a request from a free chunk of the caller's heap before it maps),
 which keeps forward's activations in the heap (faster on a CPU-only machine, where activations are host memory) but
 lets the heap grow by them (103M-param GPT: no further drop below the optimizer-only tier). ``bench/offload.py``
