@@ -3,7 +3,7 @@ files between uses, and their memory is really freed.
 
 FSDP2 keeps each parameter's local shard in one padded 1-D tensor (``FSDPParam._sharded_param_data``); the sharded
 ``DTensor`` parameter (``FSDPParam.sharded_param``, what the module, the optimizer and ``state_dict`` see) has a
-local tensor that is a view of the same storage. Each FSDP2 group's shards share one file of 512-byte-aligned slots
+local tensor that is a view of the same storage. Each FSDP2 group's shards share one file of page-aligned slots
 (:mod:`~lightning_v17.engine.param_store`). In memory, a shard's own storage points at its slot of the group's buffer
 (``UntypedStorage._swap_data_ptr_`` with a storage that owns nothing); released, the storage is empty. Every view and
 DTensor stays valid as metadata either way, so nothing that holds the parameter (the optimizer's param groups, its
@@ -423,7 +423,8 @@ class ParamOffload:
         u = r.unit
         if u.buf is not None:  # type: ignore[union-attr]
             if u.read is not None:  # type: ignore[union-attr]
-                self.fetch([x for x in u.recs if x.resident])  # type: ignore[union-attr]
+                u.read.result()  # type: ignore[union-attr]
+                u.read = None  # type: ignore[union-attr]
             buf = u.buf[r.offset : r.offset + r.nbytes].clone()  # type: ignore[union-attr]
         else:
             buf = torch.empty(r.slot, dtype=torch.uint8)
@@ -477,12 +478,7 @@ class ParamOffload:
             for u in self.units:  # unit by unit out of the buffers (the backend frees its own) into plain memory
                 self.fetch(u.recs)
                 for r in u.recs:
-                    if r.in_buffer():
-                        data = r.as_bytes().clone()
-                        r.holder._swap_data_ptr_(torch.UntypedStorage(0))  # type: ignore[union-attr]
-                        r.holder = None
-                        r.storage()._swap_data_ptr_(data.untyped_storage())
-                        u.attached.discard(r.index)
+                    r.to_own_memory()
                 self._maybe_free(u)
             self.pool.close()
         finally:

@@ -1,7 +1,7 @@
 """The parameter tier's memory (:mod:`~lightning_v17.engine.param_offload`): where a shard's bytes are between
 uses and while in use.
 
-* :class:`_Unit`: one FSDP2 group's shards, one file of 512-byte-aligned slots (:data:`SLOT_ALIGN`) and, while any of
+* :class:`_Unit`: one FSDP2 group's shards, one file of page-aligned slots (:data:`SLOT_ALIGN`) and, while any of
   them is in memory, one buffer: a unit is read with one request, written back in runs of neighbouring slots.
 * :class:`_Rec`: one shard. In memory, FSDP2's own shard storage (``FSDPParam._sharded_param_data``, which the DTensor's
   local tensor views) points at its slot of the unit's buffer (``UntypedStorage._swap_data_ptr_`` with a storage that
@@ -71,8 +71,9 @@ class ReleasedShard(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
 
-#: bytes each shard's slot in its unit's file and buffer is aligned to (O_DIRECT's logical blocks)
-SLOT_ALIGN = 512
+#: bytes each shard's slot in its unit's file and buffer is aligned to: a page, the largest logical block O_DIRECT
+#: asks of an in-place write (4096 on 4Kn drives; AioIO refuses an offset that is not a multiple of it)
+SLOT_ALIGN = 4096
 
 
 @dataclass(eq=False)
@@ -129,6 +130,16 @@ class _Rec:
             torch.UntypedStorage(0)._swap_data_ptr_(self.storage())  # frees memory of its own with the temporary
         u.attached.discard(self.index)
         self.hide()
+
+    def to_own_memory(self) -> None:
+        """The shard, in memory in its unit's buffer, moves into memory of its own (the tier closes: the buffer goes
+        back to the backend)."""
+        if self.in_buffer():
+            data = self.as_bytes().clone()
+            self.holder._swap_data_ptr_(torch.UntypedStorage(0))  # type: ignore[union-attr]
+            self.holder = None
+            self.storage()._swap_data_ptr_(data.untyped_storage())
+            self.unit.attached.discard(self.index)  # type: ignore[union-attr]
 
     def show(self) -> None:
         """The parameter's own local tensor back (the shard is in memory)."""

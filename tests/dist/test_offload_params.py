@@ -218,9 +218,9 @@ def fsdp_groups_with_params(module) -> list:
 def forward_first_bytes(module) -> int:
     """What the parameter tier keeps in memory between steps (``ParamOffload.forward_first``, ``prefetch_units=1``):
     the shards the next forward all-gathers first, those of the first two FSDP2 groups with parameters (the root's and
-    the first unit's), each in a 512-byte slot of its unit's buffer."""
+    the first unit's), each in a 4096-byte-aligned slot of its unit's buffer."""
     groups = fsdp_groups_with_params(module)
-    return sum(-(-d.numel() * d.element_size() // 512) * 512 for g in groups[:2]
+    return sum(-(-d.numel() * d.element_size() // 4096) * 4096 for g in groups[:2]
                for d in (fp._sharded_param_data for fp in g.fsdp_params))  # fmt: skip
 
 
