@@ -17,9 +17,9 @@ step). Each result also has rank 0's system CPU seconds and minor page faults pe
 ``lightning_v17/engine/param_offload.py``); its row gives the planner's fp32 parameter shard of the rank
 (``planned_param_bytes``: 4 B/param over dp=2, ``model_state_bytes_per_rank``), the bytes of the rank's parameter
 files and of shards left in memory after the last step (the next forward's first units), and the RSS drop against
-the ``nvme_return`` arm (the same glibc setting: parameters on nvme default to ``host_memory="return"``) as a fraction
-of the planned shard (``drop_vs_nvme_over_planned_params``; target >= 0.8). ``nvme_params_recycle`` and
-``nvme_params_bf16_recycle`` are those arms with ``host_memory="recycle"`` (the first against the ``nvme`` arm).
+the ``nvme`` arm (the same glibc setting, the default ``host_memory="recycle"``) as a fraction of the planned shard
+(``drop_vs_nvme_over_planned_params``; target >= 0.8). ``nvme_params_return`` and ``nvme_params_bf16_return`` are
+those arms with ``host_memory="return"`` (the first against the ``nvme_return`` arm).
 
 On this CPU-only machine the cpu tier shares memory with compute (no drop expected; it shows the chunked step's
 cost), and the nvme tier is a directory on the local disk (``--nvme-path``; the page cache may serve the reads).
@@ -32,7 +32,8 @@ Speed anchors, raw DeepSpeed ZeRO-3 (``deepspeed.initialize`` + a hand loop, Dee
 * ``ds_cpu``: ``offload_optimizer.device="cpu"``, fp32 (against ``cpu``);
 * ``ds_nvme``: ``offload_optimizer.device="nvme"``, fp32 (against ``nvme`` and ``nvme_return``);
 * ``ds_nvme_params_bf16``: optimizer and parameters on nvme, ``bf16.enabled`` (DeepSpeed's fp32 parameter swapper
-  is broken: it allocates bf16 buffers), against ``nvme_params_bf16`` (V17 with ``precision="bf16-mixed"``).
+  is broken: it allocates bf16 buffers), against ``nvme_params_bf16`` (V17 with ``precision="bf16-mixed"``) and
+  ``nvme_params_bf16_return``.
 
 Planner against the run (nvme arms): before the arms, one 64 MiB write and read through the tier's own I/O backend
 measures the drive (``drive_bytes_per_s``); each nvme arm then reports per rank the planner's nvme bytes per step
@@ -44,7 +45,7 @@ DeepSpeed's nvme tier needs its ``async_io`` op (Debian's ``libaio-dev``); witho
 start with DeepSpeed's own message, and the V17 arms use the thread-pool backend (``io_backend`` in the JSON).
 
     python bench/offload.py                       # every arm, 1 round
-    python bench/offload.py --arms none,nvme_return,nvme_params   # the parameter-offload table
+    python bench/offload.py --arms none,nvme,nvme_params   # the parameter-offload table
     python bench/offload.py --arms none,nvme --rounds 2 --shape '{"hidden": 512, "layers": 4}'
 """
 
@@ -75,16 +76,16 @@ ARMS = (
     "nvme",
     "nvme_return",
     "nvme_params",
-    "nvme_params_recycle",
+    "nvme_params_return",
     "nvme_params_bf16",
-    "nvme_params_bf16_recycle",
+    "nvme_params_bf16_return",
     "ds_cpu",
     "ds_nvme",
     "ds_nvme_params_bf16",
 )
 #: ours -> DeepSpeed's arm with the same tiers and precision
 DS_ANCHOR = {"cpu": "ds_cpu", "nvme": "ds_nvme", "nvme_return": "ds_nvme", "nvme_params_bf16": "ds_nvme_params_bf16",
-             "nvme_params_bf16_recycle": "ds_nvme_params_bf16"}  # fmt: skip
+             "nvme_params_bf16_return": "ds_nvme_params_bf16"}  # fmt: skip
 LR, WEIGHT_DECAY = 1e-4, 0.01
 #: >= 100M parameters (103.3M): 8 blocks of width 1024; short sequences keep a step near a second on 2 cores
 DEFAULT_SHAPE = {"vocab": 1024, "hidden": 1024, "layers": 8, "heads": 16, "seq": 64, "batch": 1}
@@ -177,7 +178,7 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
     elif arm.startswith("nvme_params"):
         offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb,
                                 buffer_count=args.buffer_count,
-                                host_memory="recycle" if arm.endswith("_recycle") else None)  # fmt: skip
+                                host_memory="return" if arm.endswith("_return") else None)  # fmt: skip
     elif arm != "none":
         tier = arm.removesuffix("_return")
         offload = OffloadPolicy(optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None,
@@ -363,10 +364,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = []
     base = results.get("none", {}).get("peak_rss_mb")
     base_mmap = results.get("none_mmap", {}).get("peak_rss_mb")
-    # nvme_params' own drop against the nvme arm with the same glibc setting (parameters on nvme default to
-    # host_memory="return"; nvme_params_recycle against the default nvme arm), when that arm ran
-    base_nvme = {"nvme_params": results.get("nvme_return", {}).get("peak_rss_mb"),
-                 "nvme_params_recycle": results.get("nvme", {}).get("peak_rss_mb")}  # fmt: skip
+    # the parameters' own drop against the optimizer-only arm with the same glibc setting, when that arm ran
+    base_nvme = {"nvme_params": results.get("nvme", {}).get("peak_rss_mb"),
+                 "nvme_params_return": results.get("nvme_return", {}).get("peak_rss_mb")}  # fmt: skip
     for a in arms:
         ok = [r for r in runs[a] if r["ok"]]
         if not ok:

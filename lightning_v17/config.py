@@ -94,13 +94,15 @@ class HostMemory(StrEnum):
     """How an nvme offload tier sets glibc's malloc (``OffloadPolicy.host_memory``)."""
 
     RETURN = "return"  # mmap threshold 1 MiB for the whole process: freed host memory leaves the RSS
-    #: 1 MiB only where the tier's own allocations happen and (ZeRO-3) in backward; the heap recycles the rest
+    #: 1 MiB only where the tier's own allocations happen, (ZeRO-3) in backward and, with the parameters on the
+    #: tier, in FSDP2's all-gathers; the heap recycles the rest (forward's activations, the step)
     RECYCLE = "recycle"
 
     @classmethod
-    def default(cls, *, nvme_params: bool) -> HostMemory:
-        """``host_memory=None``: "recycle", or "return" where the parameters are on the nvme tier too."""
-        return cls.RETURN if nvme_params else cls.RECYCLE
+    def default(cls) -> HostMemory:
+        """``host_memory=None``: "recycle" (also with the parameters on the nvme tier since 2026-12-01 15:30, once
+        their all-gathers stopped growing the heap: bench/offload.py measures both settings)."""
+        return cls.RECYCLE
 
 
 class Precision(StrEnum):
@@ -324,22 +326,19 @@ class OffloadPolicy:
         chunk_mb: MiB of a rank's fp32 parameter elements whose optimizer state steps (and moves) together, the unit
             of the offloaded step (like DeepSpeed's ``zero_optimization.sub_group_size``, which counts elements; not mapped from a
             DeepSpeed config, where it also sizes the step without offload).
-        host_memory: how an nvme tier sets glibc's malloc (None: "recycle", or "return" with ``params="nvme"``;
-            only with an nvme tier). "recycle" gives allocations their own mappings (unmapped, so out of the RSS,
-            when freed) only where the tier's own happen (the first step, checkpoint loads), to the sharded
-            gradients and (ZeRO-3) inside backward, whose large buffers then never grow the heap, and lets glibc's
-            heap recycle the rest (forward, the step) as without offload (103M-param GPT on CPU: peak RSS drop
-            0.89-1.15x the planned optimizer state; its heap's fragmentation keeps the rest). "return"
-            fixes the mmap threshold at 1 MiB for the whole process: every host allocation of 1 MiB or more is its
-            own mapping, so the offloaded bytes leave whatever the fragmentation (a drop of 1.4x: the fragmentation
-            of the run without offload goes too), but host allocations of that size that recur every step (the
-            activations of CPU-only training; few when they live on an accelerator) are faulted in anew each step
-            (3.7M GPT on CPU: 0.81-0.87x DeepSpeed's tokens/s against recycle's 1.06-1.15x). ``bench/offload.py``
-            measures both (``nvme`` / ``nvme_return``). With ``params="nvme"`` "return" is the default: the
-            parameter tier's buffers are their own mappings either way, but under "recycle" glibc's heap kept what
-            forward's allocations grew it by (103M GPT: no further drop against the optimizer-only tier, 0.5 of
-            the parameter shard under "return"); "recycle" is faster where activations are host memory
-            (3.7M GPT, bf16, a quiet round: 5,353 against 4,349 tokens/s, DeepSpeed 4,501).
+        host_memory: how an nvme tier sets glibc's malloc (None: "recycle"; only with an nvme tier). "recycle"
+            gives allocations their own mappings (unmapped, so out of the RSS, when freed) only where the tier's
+            own happen (the first step, checkpoint loads), to the sharded gradients, (ZeRO-3) inside backward and,
+            with ``params="nvme"``, inside FSDP2's all-gathers (the unsharded parameters), whose large buffers then
+            never grow the heap, and lets glibc's heap recycle the rest (forward's activations, the step) as
+            without offload (103M-param GPT on CPU: peak RSS drop 0.89-1.15x the planned optimizer state; its
+            heap's fragmentation keeps the rest). "return" fixes the mmap threshold at 1 MiB for the whole process:
+            every host allocation of 1 MiB or more is its own mapping, so the offloaded bytes leave whatever the
+            fragmentation (a drop of 1.4x: the fragmentation of the run without offload goes too), but host
+            allocations of that size that recur every step (the activations of CPU-only training; few when they
+            live on an accelerator) are faulted in anew each step (3.7M GPT on CPU: 0.81-0.92x DeepSpeed's
+            tokens/s against recycle's 1.03-1.15x). ``bench/offload.py`` measures both (``nvme`` /
+            ``nvme_return``, ``nvme_params`` / ``nvme_params_return``).
     """
 
     optimizer: Tier = Tier.NONE

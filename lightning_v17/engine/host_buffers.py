@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -59,23 +60,34 @@ def fix_mmap_threshold(nbytes: int = 2**20) -> bool:
     return ok
 
 
+_SCOPES = [0]  # own_mappings scopes open now (any thread): the threshold is restored when the last one closes
+_SCOPES_LOCK = threading.Lock()
+
+
 @contextmanager
 def own_mappings(nbytes: int = 2**20) -> Generator[None, None, None]:
     """glibc: inside, allocations of ``nbytes`` or more get their own mapping, unmapped (so out of the RSS) when
     freed; afterwards the threshold is :data:`HEAP_MMAP_THRESHOLD` and the trim threshold twice that, what glibc's
     dynamic adjustment reaches by itself (``mallopt`` ends that adjustment for good). Nothing where
-    :func:`fix_mmap_threshold` fixed the process's threshold, or where it is not glibc."""
+    :func:`fix_mmap_threshold` fixed the process's threshold, or where it is not glibc.
+
+    The setting is the process's (every thread), so scopes nest and overlap: the threshold goes back only when the
+    last open scope closes (a buffer allocated inside backward's scope must not end backward's)."""
     libc = _libc()
     if libc is None or _FIXED:
         yield
         return
-    libc.mallopt(M_MMAP_THRESHOLD, nbytes)
+    with _SCOPES_LOCK:
+        _SCOPES[0] += 1
+        libc.mallopt(M_MMAP_THRESHOLD, nbytes)
     try:
         yield
     finally:
-        if not _FIXED:
-            libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
-            libc.mallopt(M_TRIM_THRESHOLD, 2 * HEAP_MMAP_THRESHOLD)
+        with _SCOPES_LOCK:
+            _SCOPES[0] -= 1
+            if not _SCOPES[0] and not _FIXED:
+                libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+                libc.mallopt(M_TRIM_THRESHOLD, 2 * HEAP_MMAP_THRESHOLD)
 
 
 def mapped_empty(size: Any, *, dtype: torch.dtype, min_bytes: int = 2**20) -> torch.Tensor:

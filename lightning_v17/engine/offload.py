@@ -50,7 +50,7 @@ peaks, hold only the read-ahead and the last write-backs; the step allocates the
 Memory really drops on the nvme tier only if the state leaves the process, and glibc's heap is where it could stay
 (``OffloadPolicy.host_memory``):
 
-* ``"recycle"`` (default without ``offload_params="nvme"``): only the steps where the tier's own allocations happen
+* ``"recycle"`` (the default): only the steps where the tier's own allocations happen
   run inside :func:`own_mappings` (the first step, where the optimizer creates its state as ordinary tensors that
   the tier packs into its buffers and frees, and checkpoint loads); afterwards the threshold is 32 MiB, glibc's own
   dynamic maximum, so forward and the step recycle their allocations in the heap as without the tier. At ZeRO-3 the
@@ -60,7 +60,7 @@ Memory really drops on the nvme tier only if the state leaves the process, and g
   the step, fill free heap chunks or get mappings but never grow the heap (malloc serves a request from a free chunk
   before it considers a mapping). 103M-param GPT: a peak RSS drop of 0.89-1.15 of the planned bytes against no
   offload (0.72-0.93 with backward on the heap, 0.57-0.72 with the gradients there too).
-* ``"return"`` (default with ``offload_params="nvme"``; "recycle" applies there too): glibc's mmap threshold is fixed at 1 MiB for the whole process
+* ``"return"``: glibc's mmap threshold is fixed at 1 MiB for the whole process
   (``mallopt``, which also ends glibc's dynamic raise of it): every host allocation of 1 MiB or more is its own
   mapping, unmapped when freed, so the heap keeps nothing of that size (103M GPT: a drop of 1.4 of the planned
   bytes, the run without offload's own fragmentation gone too; 0.85 against no offload under the same threshold).
@@ -178,7 +178,7 @@ class OptimizerOffload:
         params: the :class:`~lightning_v17.engine.param_offload.ParamOffload` of parameters on the nvme tier (then
             ``tier`` may be ``Tier.NONE``): each chunk's parameter shards are read ahead like its state, and written
             back after its step.
-        host_memory: ``OffloadPolicy.host_memory`` with an nvme tier (None: "recycle", "return" with ``params``):
+        host_memory: ``OffloadPolicy.host_memory`` with an nvme tier (None: "recycle"):
             "return" fixes glibc's mmap threshold at 1 MiB for the process; "recycle" only inside
             :func:`own_mappings` (module docstring; backward's is the strategy's).
     """
@@ -197,8 +197,7 @@ class OptimizerOffload:
         host_memory: HostMemory | str | None = None,
     ) -> None:
         tier = Tier.parse(tier, "offload_optimizer")
-        host_memory = parse_enum(HostMemory, host_memory or HostMemory.default(nvme_params=params is not None),
-                                 option="host_memory")  # fmt: skip
+        host_memory = parse_enum(HostMemory, host_memory or HostMemory.default(), option="host_memory")
         if tier == Tier.NONE and params is None:
             raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme' (or parameters on the nvme tier)")
         self.param_tier = params

@@ -45,15 +45,16 @@ When a shard is in memory ("resident"):
   data), also for the shards kept in memory between steps, and reading it raises an error that names the parameter
   and this fix (it used to read freed memory and crash the process).
 
-glibc (``OffloadPolicy.host_memory``, default "return" here): "return" (memory first) fixes the mmap threshold at
-1 MiB for the process, so every freed allocation of that size leaves the RSS, and keeps no idle buffer and nothing
-read ahead beyond ``prefetch_units`` (103M-param GPT: peak RSS a further 0.87/0.97 of the parameter shard below the
-optimizer-only tier; 3.7M GPT in bf16: 0.92x DeepSpeed's tokens/s, every activation a fresh mapping); "recycle"
-(speed first: 1.15x DeepSpeed there) only maps the tier's own buffers (on a
-thread that allocates nothing else: malloc serves a request from a free chunk of the caller's heap before it maps),
-which keeps forward's activations in the heap (faster on a CPU-only machine, where activations are host memory) but
-lets the heap grow by them (103M-param GPT: no further drop below the optimizer-only tier). ``bench/offload.py``
-measures both (``nvme_params`` / ``nvme_params_recycle``).
+glibc (``OffloadPolicy.host_memory``): "recycle" (the default) maps the tier's own buffers (on a thread that
+allocates nothing else: malloc serves a request from a free chunk of the caller's heap before it maps); FSDP2's
+all-gathers, whose unsharded parameters are the large allocations of forward, run inside
+:func:`~lightning_v17.engine.host_buffers.own_mappings` (``collectives.map_all_gathers``, set by ``ZeroBackend``
+with any nvme tier under "recycle"); forward's activations stay in the heap, recycled from step
+to step (faster on a CPU-only machine, where activations are host memory). "return" (memory first) fixes the mmap
+threshold at 1 MiB for the process, so every freed allocation of that size leaves the RSS, activations included
+(each a fresh mapping every step), and keeps no idle buffer and nothing read ahead beyond ``prefetch_units``.
+Figures (103M-param GPT's peak RSS, 3.7M GPT's tokens/s against DeepSpeed): README, ``bench/offload.py``
+(``nvme_params`` / ``nvme_params_return``).
 
 Gradients: FSDP2 reduce-scatters them into separate sharded tensors, which stay in memory until ``zero_grad``
 (ZeRO-Infinity keeps gradients in host memory too; the planner puts them on the cpu tier with an offloaded
@@ -100,9 +101,11 @@ class ParamOffload:
         rank: this process's global rank (names its folder).
         prefetch_units: how many units ahead (forward and backward) to read from nvme ahead of their all-gather.
         buffer_count: the optimizer step reads the parameters of ``buffer_count - 1`` chunks ahead.
-        host_memory: ``OffloadPolicy.host_memory`` (None: "return"): "return" fixes glibc's mmap threshold at 1 MiB
-            for the whole process (every allocation of that size, activations included, mapped anew and unmapped
-            when freed); "recycle" leaves it (the units' buffers are their own mappings either way).
+        host_memory: ``OffloadPolicy.host_memory`` (None: "recycle"): "recycle" keeps an idle unit buffer, the
+            next forward's first units and the step's first chunks read ahead, and leaves glibc to ``ZeroBackend``
+            (module docstring); "return" fixes glibc's mmap threshold at 1 MiB for the whole process
+            (every allocation of that size, activations included, mapped anew and unmapped when freed). The units'
+            buffers are their own mappings either way.
     """
 
     def __init__(
@@ -156,7 +159,7 @@ class ParamOffload:
         self.shard_bytes = sum(r.nbytes for r in self.recs)
         self.nvme_bytes = sum(u.nbytes for u in self.units)
         nvme.check_nvme_path(nvme_path, need_bytes=self.nvme_bytes)
-        self.host_memory = parse_enum(HostMemory, host_memory or HostMemory.RETURN, option="host_memory")
+        self.host_memory = parse_enum(HostMemory, host_memory or HostMemory.default(), option="host_memory")
         if self.host_memory == HostMemory.RETURN:
             fix_mmap_threshold()
         self.files = nvme.NvmeFileSet(nvme_path, rank=rank, run=None)

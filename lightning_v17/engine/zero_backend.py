@@ -141,16 +141,17 @@ class ZeroBackend:
             import torch.distributed as dist
 
             from lightning_v17.config import HostMemory
-            from lightning_v17.engine.collectives import map_gradient_buffers
+            from lightning_v17.engine.collectives import map_all_gathers, map_gradient_buffers
             from lightning_v17.engine.offload import attach_offload
 
             rank = dist.get_rank() if dist.is_initialized() else 0
-            host_memory = offload.host_memory or HostMemory.default(nvme_params=params is not None)
+            host_memory = offload.host_memory or HostMemory.default()
             nvme_tier = offload.optimizer == "nvme" or params is not None
             if nvme_tier and host_memory == HostMemory.RECYCLE and self.engine is None:
-                # the sharded gradients outside the heap that forward/backward recycle (collectives.py), and
-                # backward's own buffers too (backward_context)
+                # the sharded gradients outside the heap that forward/backward recycle (collectives.py), the
+                # unsharded parameters too, and backward's own buffers (backward_context)
                 map_gradient_buffers(self.module)
+                map_all_gathers(self.module)
                 self.map_backward = True
             self.offloads = [
                 attach_offload(opt, tier=offload.optimizer, nvme_path=offload.nvme_path, ratio=offload.optimizer_ratio,
@@ -219,9 +220,11 @@ class ZeroBackend:
             off.close()
         self.offloads = []
         if self.engine is None:
-            from lightning_v17.engine.collectives import map_gradient_buffers
+            from lightning_v17.engine.collectives import map_all_gathers, map_gradient_buffers
 
             map_gradient_buffers(self.module, None)
+            if self.map_backward:  # before the parameter tier's close, which removes its own wrappers
+                map_all_gathers(self.module, False)
         self.map_backward = False
         if self.param_offload is not None:
             self.param_offload.close()  # every shard back in memory: after fit the model is plain FSDP2 again

@@ -44,6 +44,31 @@ def test_own_mappings_maps_state_sized_allocations_inside_and_lets_the_heap_recy
     assert large >= 64 * 2**20
 
 
+def test_own_mappings_scopes_nest_and_overlap_across_threads() -> None:
+    """glibc's threshold is the process's: a scope that closes inside another (a buffer allocated inside backward's
+    scope), or on another thread (the parameter tier's allocator thread), must not end the one still open. Inside
+    the outer scope after both closed, a 4 MiB tensor is still its own mapping; after the outer one, it is not."""
+    _glibc_skip()
+    body = (
+        "import threading\n"
+        "with hb.own_mappings():\n"
+        "    with hb.own_mappings():\n"
+        "        pass\n"
+        "    nested = mapped_by(4 * 2**20)\n"
+        "    ready, done = threading.Event(), threading.Event()\n"
+        "    def other():\n"
+        "        with hb.own_mappings():\n"
+        "            ready.set(); done.wait()\n"
+        "    t = threading.Thread(target=other); t.start(); ready.wait(); done.set(); t.join()\n"
+        "    threaded = mapped_by(4 * 2**20)\n"
+        "print(nested, threaded, mapped_by(4 * 2**20))\n"
+    )
+    nested, threaded, after = _run(body)
+    assert nested >= 4 * 2**20, "a nested own_mappings scope ended the outer one"
+    assert threaded >= 4 * 2**20, "another thread's own_mappings scope ended this thread's"
+    assert after == 0, "after the last scope a 4 MiB allocation was still mapped"
+
+
 def test_a_process_wide_threshold_is_kept() -> None:
     """Where the parameter tier fixed the threshold for the process (1 MiB), own_mappings leaves it: after it, a
     4 MiB tensor is still its own mapping."""
