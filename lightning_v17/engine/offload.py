@@ -58,8 +58,10 @@ Memory really drops on the nvme tier only if the state leaves the process, and g
   (``collectives.map_gradient_buffers``, the reduce-scatter outputs only; on the heap they pinned its top), and
   backward runs inside :func:`own_mappings` (``ZeroBackend.backward_context``): its large buffers, all freed before
   the step, fill free heap chunks or get mappings but never grow the heap (malloc serves a request from a free chunk
-  before it considers a mapping). 103M-param GPT: a peak RSS drop of 0.89-1.15 of the planned bytes against no
-  offload (0.72-0.93 with backward on the heap, 0.57-0.72 with the gradients there too).
+  before it considers a mapping), as do FSDP2's all-gathers (``collectives.map_all_gathers``: each unit's unsharded
+  parameters, on the heap, left a hole the next unit's did not fit). 103M-param GPT: a peak RSS drop of 1.36-1.50 of
+  the planned bytes against no offload (part of it the no-offload run's own fragmentation; 0.89-1.15 before the
+  all-gathers were mapped, 0.72-0.93 with backward on the heap too, 0.57-0.72 with the gradients there too).
 * ``"return"``: glibc's mmap threshold is fixed at 1 MiB for the whole process
   (``mallopt``, which also ends glibc's dynamic raise of it): every host allocation of 1 MiB or more is its own
   mapping, unmapped when freed, so the heap keeps nothing of that size (103M GPT: a drop of 1.4 of the planned

@@ -166,8 +166,8 @@ class ZeroBackend:
                 enable_local_step(opt)  # the user's torch.optim AdamW/SGD/...: local shards, bitwise the same
 
     def backward_context(self) -> Any:
-        """What the strategy runs backward inside: with the optimizer state on nvme under ``host_memory="recycle"``
-        at stage 3, :func:`~lightning_v17.engine.host_buffers.own_mappings` (glibc's mmap threshold at 1 MiB: an
+        """What the strategy runs backward inside: with an nvme tier (optimizer state or parameters) under
+        ``host_memory="recycle"`` at stage 3, :func:`~lightning_v17.engine.host_buffers.own_mappings` (glibc's mmap threshold at 1 MiB: an
         allocation of that size that no free heap chunk holds gets a mapping of its own, unmapped when freed, instead
         of growing the heap). Backward's large buffers (the unsharded gradients of a unit before its reduce-scatter,
         activation gradients) are all freed before the step; growing the heap, they left it fragmented and resident
