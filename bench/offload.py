@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -314,6 +315,17 @@ def _median_io_wait(runs: list[dict]) -> float | None:
     return round(statistics.median(per_round), 3) if per_round else None
 
 
+def _rounds(args: argparse.Namespace, arms: list[str], common: list[str], runs: dict[str, list[dict]]) -> None:
+    """Each round runs every arm once in a fresh pair of processes, rotated by one arm per round."""
+    for rnd in range(args.rounds):
+        for a in arms[rnd % len(arms) :] + arms[: rnd % len(arms)]:
+            t = time.monotonic()
+            res = C.launch(os.path.abspath(__file__), ["--_worker", a, *common], timeout_s=args.timeout)
+            runs[a].append(res)
+            msg = f"peak RSS {[round(r['peak_rss_mb']) for r in res['ranks']]} MB" if res["ok"] else res["error"][-400:]
+            print(f"[round {rnd + 1}] {a}: {msg} ({time.monotonic() - t:.0f}s)", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per run (default 2)")
@@ -353,13 +365,11 @@ def main(argv: list[str] | None = None) -> dict:
               "--optimizer", args.optimizer, *(["--nvme-bw", str(nvme_bw)] if nvme_bw else [])]  # fmt: skip
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     t_start = time.monotonic()
-    for rnd in range(args.rounds):
-        for a in arms[rnd % len(arms) :] + arms[: rnd % len(arms)]:
-            t = time.monotonic()
-            res = C.launch(os.path.abspath(__file__), ["--_worker", a, *common], timeout_s=args.timeout)
-            runs[a].append(res)
-            msg = f"peak RSS {[round(r['peak_rss_mb']) for r in res['ranks']]} MB" if res["ok"] else res["error"][-400:]
-            print(f"[round {rnd + 1}] {a}: {msg} ({time.monotonic() - t:.0f}s)", file=sys.stderr, flush=True)
+    try:
+        _rounds(args, arms, common, runs)
+    finally:
+        if args.nvme_path is None:  # our temporary folder: DeepSpeed leaves its swap files in it (~40 MB per arm)
+            shutil.rmtree(nvme_path, ignore_errors=True)
     results = {a: C.summarize(runs[a]) for a in arms}
     table = []
     base = results.get("none", {}).get("peak_rss_mb")
