@@ -94,15 +94,9 @@ class HostMemory(StrEnum):
     """How an nvme offload tier sets glibc's malloc (``OffloadPolicy.host_memory``)."""
 
     RETURN = "return"  # mmap threshold 1 MiB for the whole process: freed host memory leaves the RSS
-    #: 1 MiB only where the tier's own allocations happen, (ZeRO-3) in backward and, with the parameters on the
-    #: tier, in FSDP2's all-gathers; the heap recycles the rest (forward's activations, the step)
-    RECYCLE = "recycle"
-
-    @classmethod
-    def default(cls) -> HostMemory:
-        """``host_memory=None``: "recycle" (also with the parameters on the nvme tier since 2026-12-01 15:30, once
-        their all-gathers stopped growing the heap: bench/offload.py measures both settings)."""
-        return cls.RECYCLE
+    #: 1 MiB only where the tier's own allocations happen and (ZeRO-3) in backward and FSDP2's all-gathers; the heap
+    #: recycles the rest (forward's activations, the step)
+    RECYCLE = "recycle"  # the default (``host_memory=None``), with the parameters on the nvme tier too
 
 
 class Precision(StrEnum):

@@ -199,7 +199,7 @@ class OptimizerOffload:
         host_memory: HostMemory | str | None = None,
     ) -> None:
         tier = Tier.parse(tier, "offload_optimizer")
-        host_memory = parse_enum(HostMemory, host_memory or HostMemory.default(), option="host_memory")
+        host_memory = parse_enum(HostMemory, host_memory or HostMemory.RECYCLE, option="host_memory")
         if tier == Tier.NONE and params is None:
             raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme' (or parameters on the nvme tier)")
         self.param_tier = params

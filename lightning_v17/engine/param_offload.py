@@ -159,7 +159,7 @@ class ParamOffload:
         self.shard_bytes = sum(r.nbytes for r in self.recs)
         self.nvme_bytes = sum(u.nbytes for u in self.units)
         nvme.check_nvme_path(nvme_path, need_bytes=self.nvme_bytes)
-        self.host_memory = parse_enum(HostMemory, host_memory or HostMemory.default(), option="host_memory")
+        self.host_memory = parse_enum(HostMemory, host_memory or HostMemory.RECYCLE, option="host_memory")
         if self.host_memory == HostMemory.RETURN:
             fix_mmap_threshold()
         self.files = nvme.NvmeFileSet(nvme_path, rank=rank, run=None)

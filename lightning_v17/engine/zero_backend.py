@@ -145,7 +145,7 @@ class ZeroBackend:
             from lightning_v17.engine.offload import attach_offload
 
             rank = dist.get_rank() if dist.is_initialized() else 0
-            host_memory = offload.host_memory or HostMemory.default()
+            host_memory = offload.host_memory or HostMemory.RECYCLE
             nvme_tier = offload.optimizer == "nvme" or params is not None
             if nvme_tier and host_memory == HostMemory.RECYCLE and self.engine is None:
                 # the sharded gradients outside the heap that forward/backward recycle (collectives.py), the

@@ -123,3 +123,31 @@ def test_alloc_falls_back_to_a_host_buffer_when_locking_is_refused(aio, caplog):
     assert buf.numel() == 8192 and not aio._rh.is_pinned(buf) and not aio._locked
     assert "no page-locked buffers" in caplog.text and "mlock failed" in caplog.text
     aio.free(buf)  # not one of the op's: nothing to free
+
+
+@pytest.mark.parametrize("backend", ["thread_pool", "deepspeed_aio"])
+def test_in_place_slots_at_an_offset_leave_the_rest_of_the_file(request, tmp_path, backend):
+    """The parameter tier's unit files: slots written in place at page-aligned offsets (``write(..., offset=)``, no
+    truncation) and read back from them (``read_into(..., offset=)``), checked against the bytes on disk read
+    independently; the neighbouring slots keep their bytes; an offset off the O_DIRECT alignment is refused."""
+    from lightning_v17.engine.nvme import ThreadPoolIO
+
+    io = request.getfixturevalue("aio") if backend == "deepspeed_aio" else ThreadPoolIO()
+    path, slot = tmp_path / "unit.bin", 4096
+    with open(path, "wb") as f:
+        f.truncate(3 * slot)
+    a, b = torch.arange(1024, dtype=torch.float32), -torch.arange(300, dtype=torch.float32)  # 4096 B, 1200 B
+    io.write(path, a, offset=0).result()
+    io.write(path, b, offset=2 * slot).result()
+    raw = path.read_bytes()
+    assert len(raw) == 3 * slot  # not truncated
+    assert raw[:slot] == a.numpy().tobytes() and raw[slot : 2 * slot] == bytes(slot)
+    assert raw[2 * slot : 2 * slot + 1200] == b.numpy().tobytes()
+    got = torch.empty(300)
+    assert torch.equal(io.read_into(path, got, offset=2 * slot).result(), b)
+    assert torch.equal(io.read_into(path, torch.empty(1024), offset=0).result(), a)
+    if backend == "deepspeed_aio":
+        with pytest.raises(ValueError, match="not a multiple of the O_DIRECT alignment"):
+            io.write(path, b, offset=100).result()
+    else:
+        io.close()
