@@ -11,29 +11,27 @@ optimizers step on their local tensors (:mod:`lightning_v17.optim.local_shards`)
 The step, for chunks of the optimizer's parameters (in param-group order, ``chunk_mb`` of this rank's fp32 parameter
 elements each):
 
-1. before the closure runs (forward and backward), the state of the first ``buffer_count - 1`` nvme chunks is read
-   ahead asynchronously;
+1. while the closure runs forward and backward (with parameters on nvme: backward), the state of the first
+   ``buffer_count - 1`` nvme chunks is read ahead asynchronously;
 2. for chunk k: wait for its read, install its state in ``optimizer.state``, issue the read of chunk
    k + buffer_count - 1, run the optimizer's own ``step`` with its param groups narrowed to chunk k;
-3. pop chunk k's state and write it back asynchronously (at most one write in flight); the tensors are freed when
-   the write completes.
+3. pop chunk k's state and write it back asynchronously (at most ``buffer_count - 1`` writes in flight).
 
-So an nvme rank holds the state of at most ``buffer_count + 1`` chunks (stepping, read ahead, writing back), not of
-the model. Per-parameter optimizers (every class in :mod:`lightning_v17.optim`: AdamW, CPU-Adam, Adafactor, Lion,
-Adam8bit, Lion8bit) give the same result stepped chunk by chunk as all at once, bit for bit; Adafactor's
-cross-shard reductions at ZeRO-3 still run per parameter in parameter order, so every rank issues the same
-collectives in the same order whatever its chunk boundaries.
+So an nvme rank holds the state of a few chunks (stepping, read ahead, writing back), not of the model. Every
+optimizer of :mod:`lightning_v17.optim` (AdamW, CPU-Adam, Adafactor, Lion, Adam8bit, Lion8bit) gives the same result
+stepped chunk by chunk as all at once, bit for bit; Adafactor's cross-shard reductions at ZeRO-3 still run per
+parameter in parameter order, so every rank issues the same collectives in the same order whatever its chunks.
 
 Tiers:
 
-* ``"cpu"``: the state stays in host memory. On an accelerator machine this is where ZeRO-Offload's host step runs;
-  this version refuses parameters that are not on the CPU (the device-to-host gradient stream and host-to-device
-  parameter copy are not implemented yet). On a CPU-only machine host and device are one memory: the cpu tier is the
-  chunked step itself, exact, with nothing to move and nothing pinned.
+* ``"cpu"``: the state stays in host memory (ZeRO-Offload's host step; parameters not on the CPU are refused: the
+  device-host streams are not implemented yet). On a CPU-only machine host and device are one memory: the cpu tier
+  is the chunked step itself, exact, with nothing to move and nothing pinned.
 * ``"nvme"``: each chunk's state tensors are written to one file per chunk in this rank's folder of the NVMe tier
   (:mod:`lightning_v17.engine.nvme`) and read back into one buffer per chunk, of which the state tensors are views.
   Scalars (step counters), tensors shared between parameters of a chunk (bitsandbytes' quantization maps) and empty
-  tensors stay in memory (a map alone in its chunk is written with it: 1 KiB). Tensor-subclass states (torchao's 8-bit ``AdamW8bit``) cannot be written as bytes and are refused.
+  tensors stay in memory (a map alone in its chunk is written with it: 1 KiB); tensor-subclass states (torchao's
+  ``AdamW8bit``) cannot be written as bytes and are refused.
 * ``ratio`` (``offload_optimizer_ratio``; DeepSpeed's ``offload_optimizer.ratio``; DeepSpeed#5508 asks for a split
   between tiers): the fraction of the optimizer state, in bytes at chunk granularity, on the named tier; the rest
   stays one tier up (nvme -> host memory, cpu -> device memory, which is host memory on a CPU-only machine). The
@@ -41,42 +39,30 @@ Tiers:
 
 Buffers (DeepSpeed's swap buffers): the nvme chunks' state lives in at most ``2 * buffer_count - 1`` buffers of the
 largest chunk's size (one chunk stepping, ``buffer_count - 1`` read ahead, as many being written back), allocated
-through the I/O backend and recycled from chunk to chunk. DeepSpeed's op gets page-locked ones from its own
-pinned-tensor manager, which it reads and writes directly (it copies any other CPU buffer through a bounce buffer it
-allocates, locks and frees per call); the thread pool gets :func:`~.nvme.host_buffer` mappings. Once the next step's
-reads ahead are issued, the idle buffers are given back, so that forward and backward, where a process's memory
-peaks, hold only the read-ahead and the last write-backs; the step allocates the rest again.
+through the I/O backend (page-locked by DeepSpeed's op, which reads and writes them directly; mappings for the
+thread pool) and recycled from chunk to chunk. Idle buffers are given back before forward, so that forward and
+backward, where a process's memory peaks, hold only the reads ahead and the last write-backs.
 
 Memory really drops on the nvme tier only if the state leaves the process, and glibc's heap is where it could stay
 (``OffloadPolicy.host_memory``):
 
-* ``"recycle"`` (the default): only the steps where the tier's own allocations happen
-  run inside :func:`own_mappings` (the first step, where the optimizer creates its state as ordinary tensors that
-  the tier packs into its buffers and frees, and checkpoint loads); afterwards the threshold is 32 MiB, glibc's own
-  dynamic maximum, so forward and the step recycle their allocations in the heap as without the tier. At ZeRO-3 the
-  sharded gradients, which live from their unit's backward to ``zero_grad``, are their own mappings
-  (``collectives.map_gradient_buffers``, the reduce-scatter outputs only; on the heap they pinned its top), and
-  backward runs inside :func:`own_mappings` (``ZeroBackend.backward_context``): its large buffers, all freed before
-  the step, fill free heap chunks or get mappings but never grow the heap (malloc serves a request from a free chunk
-  before it considers a mapping), as do FSDP2's all-gathers (``collectives.map_all_gathers``: each unit's unsharded
-  parameters, on the heap, left a hole the next unit's did not fit). 103M-param GPT: a peak RSS drop of 1.36-1.50 of
-  the planned bytes against no offload (part of it the no-offload run's own fragmentation; 0.89-1.15 before the
-  all-gathers were mapped, 0.72-0.93 with backward on the heap too, 0.57-0.72 with the gradients there too).
-* ``"return"``: glibc's mmap threshold is fixed at 1 MiB for the whole process
-  (``mallopt``, which also ends glibc's dynamic raise of it): every host allocation of 1 MiB or more is its own
-  mapping, unmapped when freed, so the heap keeps nothing of that size (103M GPT: a drop of 1.4 of the planned
-  bytes, the run without offload's own fragmentation gone too; 0.85 against no offload under the same threshold).
-  The price is paid by allocations of that size that recur every step: on a CPU-only machine the activations are
-  mapped and faulted in anew each step (3.7M GPT: 117,000 minor faults per step).
+* ``"recycle"`` (the default): the tier's own allocations (the first step, where the optimizer's state is packed
+  into the tier's buffers, and checkpoint loads) run inside :func:`own_mappings`; otherwise glibc's threshold stays
+  at 32 MiB, its dynamic maximum, so forward and the step recycle their allocations in the heap. At ZeRO-3 the
+  sharded gradients (``zero_grad`` frees them) are their own mappings (``collectives.map_gradient_buffers``), and
+  backward (``ZeroBackend.backward_context``) and FSDP2's all-gathers (``collectives.map_all_gathers``) run inside
+  :func:`own_mappings`: their large buffers fill free heap chunks or get mappings but never grow the heap. 103M GPT:
+  a peak RSS drop of 1.36-1.50 of the planned bytes against no offload (0.57-0.72 with none of these mapped).
+* ``"return"``: glibc's mmap threshold is fixed at 1 MiB for the whole process (``mallopt``): every host allocation
+  of 1 MiB or more is its own mapping, unmapped when freed (103M GPT: a drop of 1.4 of the planned bytes). On a
+  CPU-only machine the activations are then mapped and faulted in anew each step (3.7M GPT: 117,000 faults a step).
 
-``malloc_trim(0)`` after a repack (the first step, a load) returns the small rest; not every step, which would
-return the freed activations too, for the next forward to fault back in.
+``malloc_trim(0)`` after a repack (the first step, a load) returns the small rest (not every step: the activations).
 
-Checkpoints: :func:`materialized` brings every chunk's state back into ``optimizer.state`` (and restores the
-original ``step``) for the duration of a state-dict read or load, then writes it back to its tier. Saves therefore
-read the state from the tier and loads write it there; resume and reshard go through the ZeRO backend as without
-offload. A save holds the whole state in memory for its duration (the state dict references it). At teardown the
-nvme files are removed and the state they held is released: save checkpoints during ``fit``.
+Checkpoints: :func:`materialized` brings every chunk's state back into ``optimizer.state`` (and the original
+``step``) for a state-dict read or load, then writes it back to its tier; resume and reshard go through the ZeRO
+backend as without offload. A save holds the whole state in memory for its duration. At teardown the nvme files are
+removed and the state they held is released: save checkpoints during ``fit``.
 
 With ``offload_params="nvme"`` (:mod:`lightning_v17.engine.param_offload`) the step also streams the parameter
 shards: chunk k's shards are read ``buffer_count - 1`` chunks ahead, stepped, and written back; an optimizer without
@@ -141,6 +127,14 @@ def planned_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Ten
 
 
 # ------------------------------------------------------------------------------------------------ chunks
+def _spec_of(v: DTensor, local: torch.Tensor) -> Any:
+    """``v``'s DTensorSpec (mesh, placements, global shape and stride), for a local tensor of ``local``'s dtype: what
+    ``DTensor.from_local(local, mesh, placements, shape=v.shape, stride=v.stride())`` builds."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    return DTensorSpec(v.device_mesh, v.placements, tensor_meta=TensorMeta(v.shape, v.stride(), local.dtype))
+
+
 @dataclass
 class _Entry:
     """Where one spilled state tensor sits in its chunk's file."""
@@ -151,7 +145,8 @@ class _Entry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    spec: tuple[Any, Any, Any, Any] | None  # (mesh, placements, global shape, stride) of a DTensor state
+    #: a DTensor state's spec (mesh, placements, global shape, stride, dtype), to wrap the chunk's view again
+    spec: Any | None
 
 
 @dataclass
@@ -186,18 +181,10 @@ class OptimizerOffload:
     """
 
     def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        tier: Tier,
-        nvme_path: str | None = None,
-        ratio: float = 1.0,
-        rank: int = 0,
-        chunk_mb: float = 4.0,
-        buffer_count: int = 2,
-        params: Any = None,
+        self, optimizer: torch.optim.Optimizer, *, tier: Tier, nvme_path: str | None = None, ratio: float = 1.0,
+        rank: int = 0, chunk_mb: float = 4.0, buffer_count: int = 2, params: Any = None,
         host_memory: HostMemory | str | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         tier = Tier.parse(tier, "offload_optimizer")
         host_memory = parse_enum(HostMemory, host_memory or HostMemory.RECYCLE, option="host_memory")
         if tier == Tier.NONE and params is None:
@@ -312,7 +299,7 @@ class OptimizerOffload:
                     )
                 local = local.contiguous()
                 n = local.numel() * local.element_size()
-                spec = (v.device_mesh, v.placements, v.shape, v.stride()) if isinstance(v, DTensor) else None
+                spec = _spec_of(v, local) if isinstance(v, DTensor) else None
                 entries.append(_Entry(i, key, local.dtype, tuple(local.shape), off, n, spec))
                 tensors.append((off, local))
                 off += -(-n // _ALIGN) * _ALIGN
@@ -345,7 +332,8 @@ class OptimizerOffload:
                 self._reads[k] = AfterWrite(*pending)
             else:
                 buf = self.pool.take(c.nbytes, self.io, self._wait_for_one_write)
-                self._reads[k] = PooledRead(self.io.read_into(self._path(k), buf[: c.nbytes]), buf)  # type: ignore[union-attr]
+                read = self.io.read_into(self._path(k), buf[: c.nbytes])  # type: ignore[union-attr]
+                self._reads[k] = PooledRead(read, buf)
 
     def _install(self, k: int) -> None:
         """Wait for chunk k's read and put its state back into ``optimizer.state`` (views of the read buffer)."""
@@ -360,8 +348,9 @@ class OptimizerOffload:
         for e in c.entries:
             t = buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
             if e.spec is not None:
-                mesh, placements, shape, stride = e.spec
-                t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+                # DTensor.from_local's own constructor, without its autograd Function (~70 us a call; this loop runs
+                # for every state tensor every step: 106 per step for the 3.7M GPT with Adam, 2-3% of its step)
+                t = DTensor(t, e.spec, requires_grad=False)
             states.setdefault(e.index, {})[e.key] = t
         for i, st in states.items():
             self.optimizer.state[self.params[i]] = {key: st[key] for key in c.order[i]}
@@ -403,14 +392,25 @@ class OptimizerOffload:
         self._check_open()
         t_start = time.perf_counter()
         self.io_wait_s = 0.0
-        for k in range(min(self.depth, len(self.chunks))):
-            self._read(k)  # read ahead while the closure runs forward and backward
+        pt = self.param_tier
+
+        def read_first() -> None:  # read ahead while backward runs (without a parameter tier: forward too)
+            for k in range(min(self.depth, len(self.chunks))):
+                self._read(k)
+
+        if pt is not None and closure is not None:
+            pt.on_backward = read_first  # forward reads parameters: leave the drive to them
+        else:
+            read_first()
         self._prune()
         self.pool.shrink(self.io)  # no idle buffer through forward/backward, where the process's memory peaks
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if pt is not None and pt.on_backward is not None:  # backward all-gathered nothing (or did not run)
+            pt.on_backward = None
+            read_first()
         t_closure = time.perf_counter() - t_start
         with own_mappings() if self.files is not None and not self._stepped else _nothing():
             self._step_chunks()

@@ -28,6 +28,7 @@ The SIGKILL resume with parameters on nvme is tests/dist/test_offload_resume.py 
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 
 import pytest
@@ -67,6 +68,7 @@ def fit_params(root: str, tag: str, *, params: str = "nvme", optimizer: str = "n
 
     from lightning_v17.config import OffloadPolicy
     from lightning_v17.engine import host_buffers
+    from lightning_v17.engine.offload import offload_of
 
     rank = int(os.environ["RANK"])
     model = _lit_cls((lambda p: _make(opt, p)) if opt else None)()
@@ -82,7 +84,7 @@ def fit_params(root: str, tag: str, *, params: str = "nvme", optimizer: str = "n
                             chunk_mb=CHUNK_MB, host_memory=host_memory)  # fmt: skip
     seen: dict = {"resident": [], "kept": [], "disk": [], "shard_bytes": [], "folder": None, "outside": [], "inside": [],
                   "reads": [], "read_calls": 0, "pool_allocations": [], "fixed_threshold": [],
-                  "gathered_mapped": set()}  # fmt: skip
+                  "gathered_mapped": set(), "cold": [], "step": -1, "opt_reads": [], "opt_depth": 0}  # fmt: skip
 
     class Probe(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
@@ -97,6 +99,30 @@ def fit_params(root: str, tag: str, *, params: str = "nvme", optimizer: str = "n
                     return read_into(*args, **kwargs)
 
                 po.io.read_into = counted
+                fetch = po.fetch
+
+                def watched(recs):  # in backward, a fetch that must issue its unit's read itself (none ahead)
+                    recs = list(recs)
+                    cold = sorted({r.unit.index for r in recs if not r.resident and r.unit.buf is None})
+                    if cold and torch._C._current_graph_task_id() >= 0:
+                        seen["cold"].append((seen["step"], cold))
+                    return fetch(recs)
+
+                po.fetch = watched
+                off = offload_of(trainer.optimizers[0])
+                if off is not None and off.io is not None:  # the optimizer state's reads: which chunk, when
+                    seen["opt_depth"] = off.depth
+                    opt_read = off.io.read_into
+
+                    def opt_watched(path, *args, **kwargs):
+                        k = int(path.stem.removeprefix("chunk"))
+                        seen["opt_reads"].append((seen["step"], k, torch._C._current_graph_task_id() >= 0))
+                        return opt_read(path, *args, **kwargs)
+
+                    off.io.read_into = opt_watched
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen["step"] = batch_idx
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             po = trainer.strategy.zero.param_offload
@@ -266,6 +292,12 @@ def check_fp32(results: list[dict], case: str) -> None:
         assert min(seen["disk"]) >= seen["shard_bytes"][0] > 0, (rank, seen)  # every shard's bytes on disk
         assert not res[case]["folder_after"] and res[case]["left_in_nvme_path"] == []
         assert res[case]["in_memory_after"] >= seen["shard_bytes"][0]  # back in memory after fit
+        if seen["opt_depth"]:  # the optimizer state's first chunks are read while backward runs (forward reads
+            # parameters), each once a step; the step reads the others
+            first = [(step, k, bwd) for step, k, bwd in seen["opt_reads"] if k < seen["opt_depth"]]
+            want = [(step, k, True) for step in range(1, STEPS) for k in range(seen["opt_depth"])]
+            assert first == want and all(k >= seen["opt_depth"] for _, k, bwd in seen["opt_reads"] if not bwd), (
+                rank, seen["opt_depth"], seen["opt_reads"])  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["nvme", "nvme_opt_nvme"])
@@ -282,7 +314,10 @@ def test_parameter_io_is_one_read_per_unit_into_recycled_buffers(results, case: 
     unsharded parameters on the heap grew it by a hole per unit), recycles one unit's buffer (fewer allocations, so
     page faults and locking, than reads), keeps the next forward's first units in memory between steps (reading them
     outside resident() still raises), and changes nothing in the arithmetic. "return" puts memory first: glibc's mmap
-    threshold fixed at 1 MiB for the process, no idle buffer, no shard in memory between steps."""
+    threshold fixed at 1 MiB for the process, no idle buffer, no shard in memory between steps.
+
+    Reads ahead: backward never fetches a unit whose read was not issued ahead (FSDP2 prefetches the last unit's
+    all-gather while the one before it computes; that one is all-gathered first in backward and is read ahead then)."""
     for rank, r in enumerate(results):
         seen = r[case]["seen"]
         units, params = seen["units"], seen["params"]
@@ -291,9 +326,10 @@ def test_parameter_io_is_one_read_per_unit_into_recycled_buffers(results, case: 
         first, rest = seen["reads"][0], seen["reads"][1:]  # (the first step also reads for FSDP2's lazy init)
         assert 0 < first <= 4 * units + extra and all(0 < n <= 3 * units + extra for n in rest), (rank, seen["reads"])
         allocs = seen["pool_allocations"]
-        new = [b - a for a, b in zip(allocs, allocs[1:])]
+        new = [b - a for a, b in itertools.pairwise(allocs)]
         assert seen["gathered_mapped"] == {("foreach_all_gather", True), ("foreach_all_gather_copy_out", True)}, (
             rank, seen["gathered_mapped"])  # fmt: skip
+        assert seen["cold"] == [], (rank, seen["cold"])  # (step, units whose backward fetch issued the read)
         if case == "nvme":  # one unit's buffer kept idle: fewer allocations than reads; between steps the
             # next forward's first units stay in memory
             assert all(a < n for a, n in zip(new, rest)), (rank, allocs, seen["reads"])
