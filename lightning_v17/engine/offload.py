@@ -127,14 +127,6 @@ def planned_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Ten
 
 
 # ------------------------------------------------------------------------------------------------ chunks
-def _spec_of(v: DTensor, local: torch.Tensor) -> Any:
-    """``v``'s DTensorSpec (mesh, placements, global shape and stride), for a local tensor of ``local``'s dtype: what
-    ``DTensor.from_local(local, mesh, placements, shape=v.shape, stride=v.stride())`` builds."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    return DTensorSpec(v.device_mesh, v.placements, tensor_meta=TensorMeta(v.shape, v.stride(), local.dtype))
-
-
 @dataclass
 class _Entry:
     """Where one spilled state tensor sits in its chunk's file."""
@@ -145,7 +137,7 @@ class _Entry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    #: a DTensor state's spec (mesh, placements, global shape, stride, dtype), to wrap the chunk's view again
+    #: a DTensor state's own DTensorSpec (mesh, placements, global shape, stride, dtype): wraps the chunk's view again
     spec: Any | None
 
 
@@ -299,7 +291,7 @@ class OptimizerOffload:
                     )
                 local = local.contiguous()
                 n = local.numel() * local.element_size()
-                spec = _spec_of(v, local) if isinstance(v, DTensor) else None
+                spec = v._spec if isinstance(v, DTensor) else None  # its mesh, placements, global shape and stride
                 entries.append(_Entry(i, key, local.dtype, tuple(local.shape), off, n, spec))
                 tensors.append((off, local))
                 off += -(-n // _ALIGN) * _ALIGN

@@ -167,13 +167,13 @@ class ZeroBackend:
 
     def backward_context(self) -> Any:
         """What the strategy runs backward inside: with an nvme tier (optimizer state or parameters) under
-        ``host_memory="recycle"`` at stage 3, :func:`~lightning_v17.engine.host_buffers.own_mappings` (glibc's mmap threshold at 1 MiB: an
-        allocation of that size that no free heap chunk holds gets a mapping of its own, unmapped when freed, instead
-        of growing the heap). Backward's large buffers (the unsharded gradients of a unit before its reduce-scatter,
-        activation gradients) are all freed before the step; growing the heap, they left it fragmented and resident
-        through the step and the next forward (bench/offload.py, side by side: 103M GPT 70-95 MB less peak RSS per
-        rank; 3.7M GPT 4,000-8,000 more minor faults per step, no slower). Forward and the step keep recycling the
-        heap. Else nothing."""
+        ``host_memory="recycle"`` at stage 3, :func:`~lightning_v17.engine.host_buffers.own_mappings` (glibc's mmap
+        threshold at 1 MiB: an allocation of that size that no free heap chunk holds gets a mapping of its own,
+        unmapped when freed, instead of growing the heap). Backward's large buffers (the unsharded gradients of a unit
+        before its reduce-scatter, activation gradients) are all freed before the step; growing the heap, they left it
+        fragmented and resident through the step and the next forward (bench/offload.py, side by side: 103M GPT
+        70-95 MB less peak RSS per rank; 3.7M GPT 4,000-8,000 more minor faults per step, no slower). Forward and the
+        step keep recycling the heap. Else nothing."""
         from contextlib import nullcontext
 
         from lightning_v17.engine.host_buffers import own_mappings

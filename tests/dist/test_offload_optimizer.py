@@ -97,7 +97,7 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
             optimizer_ratio=0.5 if tier == "split" else 1.0, chunk_mb=CHUNK_MB, host_memory=host_memory,
         )  # fmt: skip
     seen: dict = {"own_bytes": [], "disk": [], "folder": None, "chunks": 0, "nvme_chunks": 0, "mapped_from": [],
-                  "maps_in_backward": [], "maps_after_step": []}  # fmt: skip
+                  "maps_in_backward": [], "maps_after_step": [], "gathers_mapped": []}  # fmt: skip
 
     class Probe(L.Callback):
         def on_after_backward(self, trainer, pl_module) -> None:  # still inside the strategy's backward
@@ -115,6 +115,7 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
             seen["mapped_from"].append(sorted({str(m._v17_reduce_scatter.mapped_from) for m in pl_module.modules()
                                                if hasattr(m, "_v17_reduce_scatter")}))  # fmt: skip
             seen["maps_after_step"].append(_malloc_maps())
+            seen["gathers_mapped"].append(_gathers_mapped(pl_module))
             off = offload_of(opt)
             if off is not None:
                 seen["disk"].append(off.disk_bytes())
@@ -134,6 +135,7 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     seen["mapped_from_after"] = sorted({str(m._v17_reduce_scatter.mapped_from) for m in model.modules()
                                         if hasattr(m, "_v17_reduce_scatter")})  # fmt: skip
+    seen["gathers_mapped_after"] = _gathers_mapped(model)
     losses = torch.tensor(model.losses)
     dist.all_reduce(losses)
     return {
@@ -243,12 +245,21 @@ def test_offload_changes_nothing_bitwise(results, stage: int) -> None:
             assert (torch.as_tensor(got["params"][n]) == torch.as_tensor(w)).all(), (name, tier, n)
 
 
+def _gathers_mapped(module) -> list[bool]:
+    """Per FSDP2 unit: are its all-gathers wrapped (instance ``unshard`` / ``wait_for_unshard``:
+    ``collectives.map_all_gathers``)?"""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in module.modules() if hasattr(m, "_get_fsdp_state")]
+    return [{"unshard", "wait_for_unshard"} <= set(g.__dict__) for g in groups if g is not None]
+
+
 def test_host_memory_recycle_maps_the_gradients_and_changes_nothing(results) -> None:
     """host_memory="recycle" (the default, ZeRO-3, nvme): every unit's reduce-scatter outputs (the sharded gradients)
     are their own mappings from 1 MiB up during fit and back on the heap after it (``collectives.map_gradient_buffers``;
     that the mapping happens and is exact: tests/dist/test_collectives.py); inside backward glibc's mmap threshold is
     1 MiB (an allocation no free heap chunk holds gets a mapping instead of growing the heap), after the step it is
-    not (``ZeroBackend.backward_context``); "return" maps nothing of its own; both runs equal bit for bit."""
+    not (``ZeroBackend.backward_context``); every unit's all-gathers run inside ``own_mappings`` during fit and are
+    the class's own again after it (``collectives.map_all_gathers``); "return" maps nothing of its own; both runs
+    equal bit for bit."""
     for r in results:
         ret, default = r["return"], r["fit"][("adamw", 3, "nvme")]
         assert default["seen"]["mapped_from"] == [[str(2**20)]] * STEPS, default["seen"]["mapped_from"]
@@ -256,6 +267,10 @@ def test_host_memory_recycle_maps_the_gradients_and_changes_nothing(results) -> 
         assert default["seen"]["maps_in_backward"] == [True] * STEPS, default["seen"]["maps_in_backward"]
         assert default["seen"]["maps_after_step"] == [False] * STEPS, default["seen"]["maps_after_step"]
         assert ret["seen"]["mapped_from"] == [["None"]] * STEPS, ret["seen"]["mapped_from"]
+        gathers = default["seen"]["gathers_mapped"]
+        assert len(gathers) == STEPS and all(g and all(g) for g in gathers), gathers
+        assert default["seen"]["gathers_mapped_after"] and not any(default["seen"]["gathers_mapped_after"])
+        assert not any(g for step in ret["seen"]["gathers_mapped"] for g in step)
     ret, default = results[0]["return"], results[0]["fit"][("adamw", 3, "nvme")]
     assert ret["losses"] == default["losses"]
     for n, w in default["params"].items():
