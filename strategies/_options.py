@@ -1,8 +1,11 @@
 """V17Strategy's constructor arguments -> one frozen :class:`~lightning_v17.config.TrainingPolicy`, parsed once.
 
-Three sources, in this order of precedence: a flat constructor argument that differs from its default (what the
-Lightning CLI and YAML set), a policy object (``zero=ZeroPolicy(...)``, for Python users; never together with the
-flat arguments it covers), a DeepSpeed JSON config (``config=``), then the defaults.
+Precedence is given > config > default, decided by whether an option was given, never by comparing it with its
+default: the options a DeepSpeed JSON config (``config=``) can also set default to None ("not given"), so
+``V17Strategy(zero_stage=3, config={... "stage": 2 ...})`` trains at stage 3, and the config's stage 2 applies when
+``zero_stage`` is left out. The Lightning CLI passes every argument, defaults included, which is why "given" cannot
+be read from the call. A policy object (``zero=ZeroPolicy(...)``, for Python users; never together with the flat
+arguments it covers) is given as a whole: it wins over the config's section.
 """
 
 from __future__ import annotations
@@ -22,13 +25,17 @@ from lightning_v17.config import (
 )
 from lightning_v17.deepspeed_config import from_deepspeed_config
 
-#: Constructor defaults of the options a DeepSpeed config or a policy object can also set.
+#: The options a DeepSpeed config can also set: their constructor default is None ("not given"), and this is the
+#: value they take when neither the argument nor the config gives one.
+FROM_CONFIG: dict[str, Any] = {
+    "zero_stage": 3, "activation_checkpointing": "none", "bucket_mb": 25.0, "offload_optimizer": "none",
+    "offload_params": "none", "offload_optimizer_ratio": 1.0,
+}  # fmt: skip
+#: Constructor defaults of the other options a policy object also covers (a clash check, not a precedence rule).
 DEFAULTS: dict[str, Any] = {
-    "zero_stage": 3, "activation_checkpointing": "none", "reshard_after_forward": None, "bucket_mb": 25.0,
-    "offload_optimizer": "none", "offload_params": "none", "wrap_classes": (), "optimizer_partition": "auto",
-    "offload_optimizer_ratio": 1.0,
-    "nvme_path": None, "pp_schedule": "1f1b", "microbatches": 4, "virtual_stages": 1, "pp_split_points": None,
-    "overlap_comm": True, "prefetch_units": 1,
+    "reshard_after_forward": None, "wrap_classes": (), "optimizer_partition": "auto", "nvme_path": None,
+    "pp_schedule": "1f1b", "microbatches": 4, "virtual_stages": 1, "pp_split_points": None, "overlap_comm": True,
+    "prefetch_units": 1,
 }  # fmt: skip
 #: The flat arguments each policy object covers.
 POLICY_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -40,6 +47,9 @@ POLICY_OPTIONS: dict[str, tuple[str, ...]] = {
 
 
 def _is_default(name: str, value: Any) -> bool:
+    """Whether a flat argument was left as the constructor has it (not given)."""
+    if name in FROM_CONFIG:
+        return value is None
     default = DEFAULTS[name]
     if isinstance(default, tuple) or default is None and name == "pp_split_points":
         return not value
@@ -61,11 +71,12 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
     base = from_deepspeed_config(config) if config is not None else TrainingPolicy()
 
     def pick(name: str, from_config: Any) -> Any:
-        return given[name] if not _is_default(name, given[name]) or config is None else from_config
+        """given > config > default (``base`` is the config's policy, or the defaults without a config)."""
+        return from_config if given[name] is None else given[name]
 
     zero = given["zero"] or ZeroPolicy(
         stage=pick("zero_stage", base.zero.stage),
-        reshard_after_forward=pick("reshard_after_forward", base.zero.reshard_after_forward),
+        reshard_after_forward=given["reshard_after_forward"],
         wrap_classes=tuple(given["wrap_classes"]) or base.zero.wrap_classes,
         bucket_mb=pick("bucket_mb", base.zero.bucket_mb),
         optimizer_partition=given["optimizer_partition"],
@@ -85,23 +96,19 @@ def build_policy(given: dict[str, Any]) -> TrainingPolicy:
         schedule=given["pp_schedule"], microbatches=given["microbatches"], virtual_stages=given["virtual_stages"],
         split_points=tuple(split) if split else None,
     )  # fmt: skip
-    if offload.params == Tier.NVME and not zero.shards_params:
-        raise V17ConfigError(
-            f"offload_params='nvme' keeps parameter shards on NVMe and needs zero_stage=3 (got {zero.stage}); set "
-            "zero_stage=3, or offload only the optimizer with offload_optimizer='nvme'"
-        )
     if Tier.NVME in (offload.optimizer, offload.params):
         from lightning_v17.engine.nvme import check_nvme_path
 
         check_nvme_path(offload.nvme_path)  # exists and is writable: now, before any process starts
-    _warn_inapplicable(given, zero, offload)
+    recompute = Recompute.parse(pick("activation_checkpointing", base.recompute))
+    _warn_inapplicable(given, zero, offload, recompute)
     tp_plan = given["tp_plan"]
     return replace(
         base,
         zero=zero,
         offload=offload,
         pipeline=pipeline,
-        recompute=Recompute.parse(pick("activation_checkpointing", base.recompute)),
+        recompute=recompute,
         sequence_parallel=bool(given["sequence_parallel"]),
         vocab_parallel=bool(given["vocab_parallel"]),
         loss_parallel=bool(given["loss_parallel"]),
@@ -133,7 +140,7 @@ def build_fp8_policy(given: dict[str, Any]) -> FP8Policy | None:
     return policy
 
 
-def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy, offload: OffloadPolicy) -> None:
+def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy, offload: OffloadPolicy, recompute: Recompute) -> None:
     """One warning per option that was set but cannot apply to this configuration (never silently ignored)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -147,9 +154,7 @@ def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy, offload: Offload
     if given["pp"] == 1:
         notes += [f"{n}={given[n]!r} applies only with pp > 1"
                   for n in ("pp_schedule", "microbatches", "virtual_stages") if not _is_default(n, given[n])]  # fmt: skip
-    if not _is_default("wrap_classes", given["wrap_classes"]) and not zero.shards_params and Recompute.parse(
-        given["activation_checkpointing"]
-    ) == Recompute.NONE:
+    if not _is_default("wrap_classes", given["wrap_classes"]) and not zero.shards_params and recompute == Recompute.NONE:
         notes.append("wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")
     if given["nvme_path"] and Tier.NVME not in (offload.optimizer, offload.params):
         notes.append(f"nvme_path={given['nvme_path']!r} applies only to an 'nvme' offload tier (none is set)")

@@ -67,8 +67,10 @@ def _batch(args: tuple, kwargs: dict) -> Any:
 
 
 def rows(batch: Any) -> int:
-    """Rows (sequences) in a dict or ``(inputs, labels)`` batch."""
-    if isinstance(batch, Mapping):
+    """Rows (sequences) in a tensor, dict or ``(inputs, labels)`` batch."""
+    if isinstance(batch, Tensor):
+        x = batch
+    elif isinstance(batch, Mapping):
         x = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
     else:
         x = batch[0]

@@ -67,7 +67,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
 
     Args:
         zero_stage: 0 = DDP (all replicated), 1 = optimizer state sharded, 2 = + gradients sharded,
-            3 = + parameters sharded (FSDP2 ``fully_shard``).
+            3 = + parameters sharded (FSDP2 ``fully_shard``). None: the ``config``'s stage, else 3.
         tp: tensor-parallel size (innermost mesh axis).
         pp: pipeline-parallel stages (outermost mesh axis). The schedule then runs the model: ``training_step``/
             ``validation_step``/``test_step`` are not called, ``pipeline_loss(logits, batch)`` is (default: token-mean
@@ -84,7 +84,8 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             ``test_step`` and backward inside that context, so the loss must be ``F.cross_entropy`` on the logits
             (the reference ``LlamaLM``'s is). pp=1 only.
         activation_checkpointing: "none", "selective" (save matmul outputs, recompute the rest) or "full"
-            (recompute each block). Refused for a model without repeated blocks unless ``wrap_classes`` names them.
+            (recompute each block); None: the ``config``'s, else "none". Refused for a model without repeated
+            blocks unless ``wrap_classes`` names them.
         tp_plan: explicit tensor-parallel plan ``{fqn: style}``; ``*`` matches one FQN component; styles "colwise",
             "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel", "replicate". A key matching no module is
             an error. None: the LightningModule's or the model's own plan.
@@ -95,24 +96,26 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         microbatches: pipeline micro-batches per optimizer step; the per-rank batch size must be a multiple of it.
         virtual_stages: model chunks per pipeline rank (interleaved / zero-bubble schedules).
         offload_optimizer: where optimizer state lives: "none", "cpu" or "nvme" (ZeRO-Offload / ZeRO-Infinity, stages
-            1-3). The optimizer steps chunk by chunk through the tier; with "nvme" its state is read ahead and written
-            back asynchronously under ``nvme_path`` (``lightning_v17/engine/offload.py``). Parameters on an
-            accelerator are refused with "cpu"/"nvme" in this version (the host-side step is not implemented yet).
-        offload_params: where sharded parameters live between uses (stage 3): "none", "cpu" (FSDP2's
-            ``CPUOffloadPolicy``) or "nvme" (ZeRO-Infinity: each unit's shards are read from files under ``nvme_path``
-            ahead of its all-gather, ``prefetch_units`` units ahead, freed after it, streamed chunk by chunk through
+            1-3); None: the ``config``'s, else "none". The optimizer steps chunk by chunk through the tier; with
+            "nvme" its state is read ahead and written back asynchronously under ``nvme_path``
+            (``lightning_v17/engine/offload.py``). Parameters on an accelerator are refused with "cpu"/"nvme" in this version (the host-side step is not implemented yet).
+        offload_params: where sharded parameters live between uses (stage 3; None: the ``config``'s, else "none"):
+            "none", "cpu" (FSDP2's ``CPUOffloadPolicy``) or "nvme" (ZeRO-Infinity: each unit's shards are read
+            from files under ``nvme_path`` ahead of its all-gather, ``prefetch_units`` units ahead, freed after it, streamed chunk by chunk through
             the optimizer step and written back; ``lightning_v17/engine/param_offload.py``). "nvme" refuses parameters
             on an accelerator and fp8 in this version; code that reads parameters outside forward and the
             step must do it inside ``trainer.strategy.zero.param_offload.resident()``.
         nvme_path: directory for the "nvme" tier: must exist, be writable, and have room for the offloaded state
             plus a margin (checked before step 0); each rank writes in its own run folder, removed at teardown.
         offload_optimizer_ratio: fraction (0, 1] of the optimizer state on the ``offload_optimizer`` tier; the rest
-            stays one tier up (nvme -> host memory, cpu -> device memory). DeepSpeed's ``offload_optimizer.ratio``.
+            stays one tier up (nvme -> host memory, cpu -> device memory). DeepSpeed's ``offload_optimizer.ratio``;
+            None: the ``config``'s, else 1.
         wrap_classes: class names that become ZeRO-3 units and recompute units (empty: the children of every
             ``nn.ModuleList`` and of repeated-block ``nn.ModuleDict``s).
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (None: True, except the
             last unit and the root group, which backward needs first).
-        bucket_mb: gradient bucket size in MiB for stages 0-2 (DeepSpeed's ``reduce_bucket_size``).
+        bucket_mb: gradient bucket size in MiB for stages 0-2 (DeepSpeed's ``reduce_bucket_size``); None: the
+            ``config``'s, else 25.
         overlap_comm: overlap communication with compute where the backend does not already do it (gloo on CPU,
             whose async work runs on its own threads): stages 0-2 start each bucket's reduction as soon as its
             gradients are ready; stage 3 all-gathers the next ``prefetch_units`` units while the current one
@@ -153,10 +156,11 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         pipeline: the pipeline options as one :class:`~lightning_v17.config.PipelinePolicy`.
         offload: the offload options as one :class:`~lightning_v17.config.OffloadPolicy`.
         config: a DeepSpeed JSON config (dict or path), see :func:`lightning_v17.deepspeed_config.from_deepspeed_config`.
-            A constructor argument that differs from its default wins over the config; the config wins over
-            defaults. ``bf16``/``fp16`` apply only when the Trainer runs at its default ``precision="32-true"``;
-            ``gradient_clipping`` / ``gradient_accumulation_steps`` when the Trainer's ``gradient_clip_val`` is
-            None / ``accumulate_grad_batches`` is 1.
+            Precedence is given > config > default: an argument that is given (not None) wins over the config even
+            when it equals the default, and the config wins over the defaults. ``bf16``/``fp16`` apply only when
+            the Trainer runs at its default ``precision="32-true"``; ``gradient_clipping`` /
+            ``gradient_accumulation_steps`` when the Trainer's ``gradient_clip_val`` is None /
+            ``accumulate_grad_batches`` is 1.
         accelerator: Lightning accelerator (normally set by the Trainer).
         parallel_devices: devices of this node (normally set by the Trainer).
         cluster_environment: Lightning cluster environment (torchrun/SLURM/...; normally set by the Trainer).
@@ -177,7 +181,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
 
     def __init__(
         self,
-        zero_stage: int = 3,
+        zero_stage: int | None = None,
         tp: int = 1,
         pp: int = 1,
         dp_replicate: int = 1,
@@ -186,19 +190,19 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         sequence_parallel: bool = False,
         vocab_parallel: bool = False,
         loss_parallel: bool = False,
-        activation_checkpointing: str = "none",
+        activation_checkpointing: str | None = None,
         tp_plan: dict[str, str] | None = None,
         pp_split_points: Sequence[str] | None = None,
         pp_schedule: str = "1f1b",
         microbatches: int = 4,
         virtual_stages: int = 1,
-        offload_optimizer: str = "none",
-        offload_params: str = "none",
+        offload_optimizer: str | None = None,
+        offload_params: str | None = None,
         nvme_path: str | None = None,
-        offload_optimizer_ratio: float = 1.0,
+        offload_optimizer_ratio: float | None = None,
         wrap_classes: Sequence[str] = (),
         reshard_after_forward: bool | None = None,
-        bucket_mb: float = 25.0,
+        bucket_mb: float | None = None,
         overlap_comm: bool = True,
         prefetch_units: int = 1,
         optimizer_partition: str = "auto",
@@ -224,17 +228,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         self.policy = build_policy(dict(locals()))
         # Validate the fixed axis sizes and the combinations now (a typo fails at construction, not after launch).
         MeshSpec(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)
-        check_composition(self.policy, pp=pp, tp=tp)
-        for option, needs, on in (("sequence_parallel", "tp", sequence_parallel), ("tp_plan", "tp", tp_plan),
-                                  ("vocab_parallel", "tp", vocab_parallel), ("loss_parallel", "tp", loss_parallel),
-                                  ("pp_split_points", "pp", pp_split_points)):  # fmt: skip
-            if on and {"tp": tp, "pp": pp}[needs] == 1:
-                raise V17ConfigError(f"{option} applies only with {needs} > 1 (got {needs}=1); set {needs} or drop it")
-        if loss_parallel and pp > 1:
-            raise V17ConfigError(
-                f"loss_parallel=True with pp={pp} is not supported: the pipeline schedule computes the loss on the last "
-                "stage outside the strategy's loss_parallel() context; use loss_parallel with pp=1, or drop it"
-            )
+        check_composition(self.policy, pp=pp, tp=tp)  # every rule of config_rules, once
         if not (dp_shard in ("auto", -1) or (isinstance(dp_shard, int) and dp_shard >= 1)):
             raise V17ConfigError(f"dp_shard={dp_shard!r} must be a positive integer or 'auto'")
         self._axes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}

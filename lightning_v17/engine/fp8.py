@@ -56,7 +56,6 @@ __all__ = [
     "FP8Runtime",
     "FP8Selection",
     "apply_fp8",
-    "check_fp8_composition",
     "float8_tp_plan",
     "resolve_fp8_backend",
     "select_fp8_linears",
@@ -105,29 +104,6 @@ def resolve_fp8_backend(policy: FP8Policy, device: torch.device | str) -> FP8Bac
     if not ok:
         raise V17ConfigError(f"fp8_backend='te' needs Transformer Engine on an FP8 GPU, but {why}; {_TE_FIX}")
     return FP8Backend.TE
-
-
-def check_fp8_composition(policy: FP8Policy | None, *, tp: int, zero_stage: int = 3) -> None:
-    """The FP8 combinations refused before any process touches the model.
-
-    Raises:
-        V17ConfigError: ``rowwise`` with tp > 1 (torchao's float8 tensor-parallel styles are tensorwise);
-            ``fp8_all_gather=True`` below zero_stage=3 (only stage 3 all-gathers weights).
-    """
-    if policy is not None and policy.all_gather and zero_stage != 3:
-        raise V17ConfigError(
-            f"fp8_all_gather=True applies to zero_stage=3, which all-gathers the weights (got zero_stage="
-            f"{zero_stage}, where every rank keeps whole weights); set zero_stage=3 or drop fp8_all_gather"
-        )
-    if policy is not None and tp > 1 and policy.recipe == FP8Recipe.ROWWISE:
-        # rowwise scales one row of each GEMM operand, and torchao quantizes a weight along a different dim for each
-        # GEMM: a tp shard holds whole rows of one and parts of the other, so it has no local cast equal to one
-        # process's; torchao's float8 TP styles cast tensorwise only
-        raise V17ConfigError(
-            f"fp8='rowwise' with tp={tp} is not supported: torchao's float8 tensor-parallel styles "
-            "(Float8ColwiseParallel/Float8RowwiseParallel) cast with tensorwise scales, and a tp-sharded weight cannot "
-            "be scaled per row for both GEMMs; use fp8='tensorwise' or fp8='delayed' with tp > 1, or tp=1"
-        )
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_v17.config import FP8Recipe, Recompute, Tier, TrainingPolicy, V17ConfigError
+from lightning_v17.config_rules import check as check_rules
 from lightning_v17.engine import fsdp as fsdp_engine
 from lightning_v17.engine import zero as zero_engine
-from lightning_v17.engine.fp8 import FP8Runtime, apply_fp8, check_fp8_composition, float8_tp_plan
+from lightning_v17.engine.fp8 import FP8Runtime, apply_fp8, float8_tp_plan
 from lightning_v17.engine.recompute import apply_activation_checkpointing
 from lightning_v17.engine.zero_backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime
@@ -76,29 +77,19 @@ class Parallelized:
 
 
 def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
-    """The combinations of options that cannot work, refused before any process touches the model.
+    """The combinations of options that cannot work, refused before any process touches the model: every rule of
+    :mod:`lightning_v17.config_rules`, then the pipeline schedule's own limits.
 
     Raises:
         V17ConfigError: naming the option and the fix.
     """
-    stage = policy.zero.stage
-    check_fp8_composition(policy.fp8, tp=tp, zero_stage=stage)
+    check_rules(policy, pp=pp, tp=tp)
     if pp > 1:
-        from lightning_v17.engine.pipeline import check_pipeline_composition
         from lightning_v17.planner.schedules import schedule_info
 
-        check_pipeline_composition(pp=pp, zero_stage=stage)
         info = schedule_info(policy.pipeline.schedule)
         info.check_runnable()
         info.check_microbatches(pp=pp, microbatches=policy.pipeline.microbatches)
-    params = policy.offload.params
-    if params != Tier.NONE and stage != 3:
-        raise V17ConfigError(f"offload_params={params.value!r} offloads ZeRO-3 parameter shards and needs zero_stage=3")
-    if params == Tier.NVME and policy.fp8 is not None:
-        raise V17ConfigError(
-            "offload_params='nvme' with fp8 is not implemented yet (the float8 scales read the weights after each "
-            "step); use offload_params='cpu' or 'none' with fp8, or drop fp8"
-        )
 
 
 def _units(module: nn.Module, policy: TrainingPolicy) -> list[nn.Module]:

@@ -76,22 +76,18 @@ __all__ = [
 
 
 def check_pipeline_composition(*, pp: int, zero_stage: int) -> None:
-    """Refuse PP combined with ZeRO-2/3.
-
-    Seed §17.5: "PP + ZeRO-3: AG가 stage 간 얽힘 → ZeRO-1만" -- with parameters (ZeRO-3) or gradients (ZeRO-2)
-    sharded, every micro-batch of every stage issues its own all-gather / reduce-scatter, interleaved with the
-    pipeline's P2P traffic; the collectives of different stages entangle and the communication volume grows with the
-    number of micro-batches. Only ZeRO-1 (optimizer state, one reduction per step) composes cleanly.
+    """Refuse PP combined with ZeRO-2/3 (the ``pp_needs_stage_le_1`` rule of :mod:`lightning_v17.config_rules`).
 
     Raises:
         V17ConfigError: when ``pp > 1`` and ``zero_stage >= 2``.
     """
-    if pp > 1 and zero_stage >= 2:
-        raise V17ConfigError(
-            f"pp={pp} with zero_stage={zero_stage} is not supported: with pipeline parallelism the per-micro-batch "
-            f"all-gathers/reduce-scatters of ZeRO-2/3 entangle across stages (seed §17.5: 'PP + ZeRO-3: AG가 stage 간 "
-            f"얽힘 → ZeRO-1만'); set zero_stage=1 (or 0) with pp>1, or pp=1 to use ZeRO-{zero_stage}"
-        )
+    from lightning_v17.config import TrainingPolicy, ZeroPolicy
+    from lightning_v17.config_rules import RULES, Layout
+
+    rule = next(r for r in RULES if r.name == "pp_needs_stage_le_1")
+    layout = Layout(TrainingPolicy(zero=ZeroPolicy(stage=zero_stage)), pp=pp)
+    if rule.violated(layout):
+        raise V17ConfigError(rule.text(layout))
 
 
 # ---------------------------------------------------------------------------------------------------------- batches

@@ -1,0 +1,53 @@
+"""The one rules table (lightning_v17/config_rules.py): every rule, constructed as a user would write the violating
+strategy, raises its own message and fix at construction; the engine's check and the planner read the same table."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lightning_v17.config import TrainingPolicy, V17ConfigError, ZeroPolicy
+from lightning_v17.config_rules import RULES, Layout, violations
+
+
+def _example(rule, tmp_path) -> dict:
+    return {k: (str(tmp_path) if k == "nvme_path" else v) for k, v in rule.example.items()}
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_every_rule_is_raised_by_the_strategy_with_its_message(rule, tmp_path) -> None:
+    from lightning_v17 import V17Strategy
+
+    kwargs = _example(rule, tmp_path)
+    with pytest.raises(V17ConfigError) as err:
+        V17Strategy(**kwargs)
+    msg = str(err.value)
+    assert msg.endswith(rule.fix), (rule.name, msg)
+    for option in rule.options:  # the message names every option the rule is about
+        assert re.search(rf"\b{option}\b", msg), (rule.name, option, msg)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_each_example_violates_only_its_own_rule_first(rule, tmp_path) -> None:
+    """The example is what the test constructs: it must trip this rule (not an earlier one by accident)."""
+    import inspect
+
+    from lightning_v17.strategies._options import build_policy
+
+    from lightning_v17 import V17Strategy
+
+    given = {n: p.default for n, p in inspect.signature(V17Strategy.__init__).parameters.items() if n != "self"}
+    given.update(_example(rule, tmp_path))
+    policy = build_policy(given)
+    found = violations(Layout(policy, pp=given["pp"], tp=given["tp"]))
+    assert found and found[0][0] is rule, [r.name for r, _ in found]
+
+
+def test_a_valid_layout_violates_nothing() -> None:
+    assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), pp=2, tp=2)) == []
+    assert violations(Layout(TrainingPolicy(), pp=1, tp=1)) == []
+
+
+def test_rule_names_are_unique() -> None:
+    assert len({r.name for r in RULES}) == len(RULES)
