@@ -1,13 +1,13 @@
 """V17Strategy's precision glue: the DeepSpeed config's bf16/fp16 block, FSDP2 mixed-precision dtypes, and the
-sharding-aware clipping and fp16 inf check patched into Lightning's precision plugin."""
+precision-plugin subclass with sharding-aware clipping and fp16 inf check (as Lightning's ``FSDPPrecision``)."""
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from lightning_v17.config import LossScalePolicy
 from lightning_v17.config import Precision as V17Precision
@@ -67,21 +67,20 @@ def mixed_precision_dtypes(plugin: Any) -> tuple[torch.dtype | None, torch.dtype
     return None, None
 
 
-def patch_precision_plugin(strategy: V17Strategy) -> None:
-    """Route Lightning's clipping and fp16 inf checks through sharding-aware code.
+class ShardedClipping:
+    """Lightning's gradient clipping over sharded gradients, for any precision plugin this mixin is combined with.
 
-    * ``Precision.clip_grad_by_norm`` runs ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters,
-      which under ZeRO are this rank's shards: a per-shard norm (the classic bug). We replace it on this plugin
-      instance with :func:`lightning_v17.engine.clip.clip_grad_norm_` (one all-reduce of the squared norm).
-    * ``MixedPrecision``'s ``GradScaler`` checks for inf/nan only in this rank's gradients, so with sharded
-      gradients ranks could disagree on skipping a step and diverge silently. When Lightning built one (the user's
-      ``precision="16-mixed"``) it is replaced, once, by the strategy's :func:`build_loss_scaler`, which checks
-      every shard with one all-reduce over the world and honours ``hysteresis`` and ``min_loss_scale``.
+    ``Precision.clip_grad_by_norm`` runs ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, which
+    under ZeRO are this rank's shards: a per-shard norm (the classic bug). Here it is
+    :func:`lightning_v17.engine.clip.clip_grad_norm_`, one all-reduce of the squared norm over the shard group (and
+    the pp stages, and the tp-sharded pieces). Lightning's own ``FSDPPrecision`` is the same kind of subclass.
     """
-    plugin = strategy.precision_plugin
 
-    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-        params = list(plugin.main_params(optimizer))
+    _v17_strategy: V17Strategy
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        params = list(self.main_params(optimizer))  # type: ignore[attr-defined]
+        strategy = self._v17_strategy
         mesh, zero = strategy.mesh, strategy.zero
         clip_grad_norm_(
             params,
@@ -93,15 +92,46 @@ def patch_precision_plugin(strategy: V17Strategy) -> None:
             tp_group=mesh.group("tp") if mesh.spec.tp > 1 else None,
         )
 
-    plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-    if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-        # bf16-mixed: no scaler, so nothing is unscaled before the step, and Lightning's refusal to clip with an
-        # optimizer that "unscales internally" (torch's fused AdamW, the optim library's default) does not apply;
-        # it made the main job with precision="bf16-mixed" and gradient_clip_val fail at its first step.
-        plugin.clip_gradients = functools.partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
+
+class V17MixedPrecision(ShardedClipping, MixedPrecision):
+    """``MixedPrecision`` ("bf16-mixed"/"16-mixed") with sharded clipping and, for fp16, the strategy's one
+    :class:`ShardedLossScaler` (its inf check covers every rank's shards with one all-reduce, so ranks never disagree
+    on skipping a step; torch's ``GradScaler`` checks only this rank's gradients)."""
+
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        if self.scaler is None:
+            # bf16-mixed: no scaler, so nothing is unscaled before the step, and MixedPrecision's refusal to clip with
+            # an optimizer that "unscales internally" (torch's fused AdamW, the optim library's default) does not
+            # apply; it made the main job with precision="bf16-mixed" and gradient_clip_val fail at its first step.
+            return Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm or _NORM)
+        return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm or _NORM)
+
+
+_NORM = GradClipAlgorithmType.NORM
+_SUBCLASSES: dict[type, type] = {MixedPrecision: V17MixedPrecision}
+
+
+def sharded_precision(strategy: V17Strategy, plugin: Precision) -> Precision:
+    """The strategy's precision plugin: ``plugin`` as a subclass with :class:`ShardedClipping` (and, for
+    "16-mixed", the sharded loss scaler), keeping everything else the plugin does.
+
+    ``MixedPrecision`` becomes :class:`V17MixedPrecision`; any other plugin class (``Precision``, ``HalfPrecision``,
+    ``DoublePrecision``, bitsandbytes, the user's own) gets a subclass of its own class with the mixin, made once per
+    class, and keeps its state. Idempotent (Lightning runs setup again for validate/test after fit).
+    """
+    if isinstance(plugin, ShardedClipping):
+        return plugin
+    cls = type(plugin)
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = _SUBCLASSES[cls] = type(f"V17{cls.__name__}", (ShardedClipping, cls), {"__doc__": ShardedClipping.__doc__})
+    # The subclass adds methods only (no __init__ of its own), so the instance keeps its state under its new class.
+    plugin.__class__ = sub
+    plugin._v17_strategy = strategy  # type: ignore[attr-defined]
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and not isinstance(scaler, ShardedLossScaler):
-        plugin.scaler = build_loss_scaler(strategy, like=scaler)
+        plugin.scaler = build_loss_scaler(strategy, like=scaler)  # type: ignore[attr-defined]
+    return plugin
 
 
 def loss_scale(strategy: V17Strategy) -> Any:

@@ -348,6 +348,8 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         spec = self.resolve_mesh(self.world_size)
         self._mesh = MeshRuntime(spec, build_device_mesh(spec, device_type=self.root_device.type))
         _precision.apply_config_precision(self)
+        # Sharding-aware clipping and fp16 inf checks: a subclass of the Trainer's plugin, as FSDPPrecision is.
+        self.precision_plugin = _precision.sharded_precision(self, self.precision_plugin)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh.device_mesh  # as ModelParallelStrategy: visible to the module
 
@@ -386,7 +388,6 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
                 # StochasticWeightAveraging uses; NeMo's MegatronStrategy does the same).
                 trainer.fit_loop._skip_backward = True
         self.setup_precision_plugin()
-        _precision.patch_precision_plugin(self)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
