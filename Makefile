@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation deepspeed==0.19.8
 	$(PY) -m pip install -q -e '.[test]'
+	# litgpt 0.5.13 pins huggingface-hub<1.4 (transformers >= 5.4 needs a newer one); without its pins it runs as is.
+	$(PY) -m pip install -q --no-deps litgpt==0.5.13
 	# DeepSpeed's CPU-Adam op, JIT-built once into ~/.cache/torch_extensions (35-210 s on 2 cores) as part of the set-up,
 	# not of the test run; where it cannot build, lightning_v17.optim falls back to fused AdamW with a warning.
 	$(PY) -c 'from lightning_v17.optim import cpu_adam_unavailable as u; r = u(); print("cpu_adam op:", r or "built")'
@@ -29,7 +31,7 @@ run: $(STAMP)
 	$(VENV)/bin/v17 fit --config configs/tiny-cpu.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests -m "not fault"
+	$(PY) -m pytest -q tests -m "not fault" --durations=25
 
 # The longer fault-tolerance checks (a hung rank under torchrun, ~1 min; one of two torchrun agents killed and a new one
 # joining, 2 -> 1 -> 2 nodes, ~2 min; goodput against Young/Daly with one injected failure, ~2-3 min; SIGKILL with

@@ -19,7 +19,7 @@ Nothing here imports torch (a test checks it), so ``v17 plan`` starts instantly 
 from __future__ import annotations
 
 from lightning_v17.planner.hardware import ACCELERATORS, Accelerator, get_accelerator
-from lightning_v17.planner.max_model import max_model
+from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.memory import (
     ModelStateBytes,
     activation_bytes_per_layer,

@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, Tier
 from lightning_v17.planner.hardware import ACCELERATORS
-from lightning_v17.planner.max_model import max_model
+from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.model import PRESETS, Arch, ModelShape, get_preset, with_overrides
 from lightning_v17.planner.pipeline import OpTimes
 from lightning_v17.planner.plan import ClusterSpec, ModelSpec, TrainSpec, make_plan

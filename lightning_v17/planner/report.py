@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_v17.config import OptimizerKind, Precision, Tier
 from lightning_v17.planner import memory as mem
-from lightning_v17.planner.max_model import MaxModel
+from lightning_v17.planner.model_search import MaxModel
 from lightning_v17.planner.plan import Plan
 from lightning_v17.planner.schedules import schedule_info
 
