@@ -287,8 +287,41 @@ def write_result(path: str, timer: StepTimer, shape: GPTShape, world_size: int, 
 # ---------------------------------------------------------------------------------------------------- the launcher
 
 
+def host_info() -> dict:
+    """Where a report was measured: the command, the CPU and its kernels, the stack, and any note.
+
+    ``cpu_capability`` is ``torch.backends.cpu.get_cpu_capability()`` (AVX2 hosts emulate bf16 matmuls, AVX512-BF16
+    and AMX hosts run them natively: the same bench differs by an order of magnitude between them). ``note`` is the
+    ``V17_BENCH_NOTE`` environment variable, e.g. "host shared with other jobs"; ``loadavg_1m`` is read at the end.
+    """
+    import torch
+
+    cpu_model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {
+        "command": " ".join(["python", script, *sys.argv[1:]]),
+        "cpu_model": cpu_model,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "note": os.environ.get("V17_BENCH_NOTE"),
+    }
+
+
 def emit_json(report: dict, path: str | None) -> None:
-    """Print a benchmark's JSON report and, with ``path`` (``--json-out``), also write it there."""
+    """Print a benchmark's JSON report and, with ``path`` (``--json-out``), also write exactly that text there.
+
+    The report gets a ``host`` entry (:func:`host_info`) unless it has one; ``bench/render.py`` renders the files
+    written to ``bench/results/`` into ``docs/benchmarks.md``.
+    """
+    if "host" not in report:
+        report = {**report, "host": host_info()}
     text = json.dumps(report, indent=1)
     print(text)
     if path:

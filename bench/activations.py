@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     p.add_argument("--tp", type=int, default=1, help="> 1: measure under TP (and SP) on that many gloo ranks (CPU)")
     p.add_argument("--tolerance", type=float, default=0.15, help="exit 1 if |measured/planned - 1| exceeds it")
+    p.add_argument("--json-out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     dtypes = tuple(d.strip() for d in args.dtypes.split(","))
     config = ModelConfig(vocab_size=256, hidden=args.hidden, layers=args.layers, heads=args.heads,
@@ -279,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = compare(config, seq=args.seq, micro_batch=args.micro_batch, device=args.device, dtypes=dtypes)
     within = all(abs(r["measured_over_planned"] - 1) <= args.tolerance for r in rows)
     shape = {k: getattr(args, k) for k in ("hidden", "heads", "kv_heads", "ffn", "layers", "seq", "micro_batch", "tp")}
-    print(json.dumps({"bench": "activations", "device": args.device, "torch": torch.__version__, "shape": shape,
-                      "tolerance": args.tolerance, "within_tolerance": within, "rows": rows}, indent=2))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # here, not at import: tests import this module
+    import _common as C
+
+    C.emit_json({"bench": "activations", "device": args.device, "torch": torch.__version__, "shape": shape,
+                 "tolerance": args.tolerance, "within_tolerance": within, "rows": rows}, args.json_out)
     return 0 if within else 1
 
 

@@ -28,6 +28,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # after the path insert, so the script runs from anywhere
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -216,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed afterwards)")
+    p.add_argument("--json-out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(proc.exitcode != 0 for proc in procs) or queue.empty():
             print(json.dumps({"bench": "checkpoint", "error": [proc.exitcode for proc in procs]}))
             return 1
-        print(json.dumps(queue.get()))
+        C.emit_json(queue.get(), args.json_out)
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)

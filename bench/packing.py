@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # after the path insert, so the script runs from anywhere
 
 from lightning_v17.data.corpus import StdlibCorpus
 from lightning_v17.data.packing import chunk_documents, collate_rows, materialize_row, pack
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=4, help="interleaved slices per arm")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             1 - out["packed"]["attention_flops_fwd"] / out[base]["attention_flops_fwd"], 4
         )
     out["target_speedup"] = 2.0
-    print(json.dumps(out, indent=2))
+    C.emit_json(out, args.json_out)
     return out
 
 

@@ -8,7 +8,7 @@ Linears stay in high precision (Micikevicius 2022, "FP8 Formats for Deep Learnin
 ``torchao/float8/README.md``, "float8 training"). The backend is torchao 0.18's
 ``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name(recipe)``.
 
-Which layers (DESIGN.md, issue 12 "Which layers go to FP8"):
+Which layers (DESIGN.md; docs/fp8.md "Which layers"):
 
 * every ``nn.Linear`` inside the repeated blocks (the ZeRO-3 / recompute units, ``fsdp.find_wrap_units``) whose
   ``in_features`` and ``out_features`` both divide 16, the shape constraint of ``torch._scaled_mm`` (torchao's

@@ -1,7 +1,7 @@
 """The ZeRO-1/2 engine's packing of buckets (part of :mod:`lightning_v17.engine.zero`): gradients into the flat
 reduce buffers, updated rows into the post-step all-gather, and the gathered rows back into the parameters.
 
-Each copy is one pass over the bytes it moves, and nothing is copied that is already in place (issue 16: ZeRO-1/2
+Each copy is one pass over the bytes it moves, and nothing is copied that is already in place (ZeRO-1/2
 must keep up with Lightning's "ddp", which pays none of the all-gather):
 
 * the mean over the dp ranks is taken inside the copy that packs a gradient (``torch.div(..., out=)``), not as a

@@ -7,7 +7,7 @@ Torch-free. The tree (seed §17.4):
     model ≤ 100B?         → TP8 + PP4 + DP
     otherwise             → TP8 + PP≥8 + ZeRO-1 (+ CP for long sequences / EP for MoE)
 
-Anti-patterns (seed §17.5, §10.7, issue 2): TP across nodes; PP with ZeRO-2/3; tp not dividing the heads; fewer
+Anti-patterns (seed §17.5, §10.7): TP across nodes; PP with ZeRO-2/3; tp not dividing the heads; fewer
 than 4·p micro-batches; small DP with a huge PP; a plan that does not fit in device memory.
 """
 
@@ -147,7 +147,7 @@ def anti_pattern_warnings(
     offload_params: Tier = Tier.NONE,
     offload_optimizer: Tier = Tier.NONE,
 ) -> list[str]:
-    """Warnings for the layout's anti-patterns (seed §17.5, §10.7; issue 2). Each names the fix."""
+    """Warnings for the layout's anti-patterns (seed §17.5, §10.7). Each names the fix."""
     warnings: list[str] = []
     if tp > gpus_per_node:
         warnings.append(

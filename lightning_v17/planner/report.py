@@ -185,7 +185,7 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
 
 
 def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: bool = False) -> dict[str, Any]:
-    """The JSON object. Keys per issue 2; all bytes are integers per rank."""
+    """The JSON object (``v17 plan --json``; docs/planner.md lists its main keys); all bytes are integers per rank."""
     lay, m, acc, rec = plan.layout, plan.memory, plan.cluster.accelerator, plan.recommendation
     shape = plan.model.shape
     model: dict[str, Any] = {"name": plan.model.name, "params": int(plan.model.num_params)}

@@ -1,7 +1,7 @@
-"""The planner's simulated bubble against a measured run: ``bench/pipeline.py`` re-analyses the trace of its
-2026-11-30 run (``docs/pipeline-trace-2026-11-30.json``: every timed step's per-rank action timeline and P2P times,
+"""The planner's simulated bubble against a measured run: ``bench/pipeline.py`` re-analyses the trace of a recorded
+run (``tests/fixtures/pipeline-trace.json``: every timed step's per-rank action timeline and P2P times,
 2 gloo ranks, 5 schedules, m = 4 and 8) and the planner, fed with the op times measured in it (mean and jitter per
-stage and op), must land within max(15%, 0.01) of every measured bubble (issue 14's acceptance)."""
+stage and op), must land within max(15%, 0.01) of every measured bubble."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT / "docs" / "pipeline-trace-2026-11-30.json"
+TRACE = ROOT / "tests" / "fixtures" / "pipeline-trace.json"
 
 
 def test_simulated_bubble_within_tolerance_of_the_measured_run() -> None:

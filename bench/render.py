@@ -1,0 +1,291 @@
+"""Render ``docs/benchmarks.md`` (and its plot) from the committed results in ``bench/results/*.json``.
+
+Every benchmark prints one JSON object and, with ``--json-out PATH``, writes exactly that text to PATH. A committed
+result is such a file, named after its script: ``bench/results/<script>.json`` or ``<script>-<variant>.json`` (e.g.
+``activations-tp2.json`` from ``bench/activations.py --tp 2``). Its ``host`` entry (``_common.host_info``) records the
+command, the CPU and its kernels, torch and a note. Nothing here measures, and nothing is typed in by hand: the page
+is a pure function of those files, so ``tests/unit/test_docs.py`` renders them again and compares.
+
+    python bench/render.py            # rewrite docs/benchmarks.md and docs/benchmarks-ratios.png
+    python bench/render.py --check    # exit 1 if docs/benchmarks.md is not what the results render to
+
+To add a result: run the bench with ``--json-out bench/results/<script>[-<variant>].json`` (set ``V17_BENCH_NOTE``
+to say what else ran on the host), then run this script and commit all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+PLOT = ROOT / "docs" / "benchmarks-ratios.png"
+#: scripts in bench/ that are not benchmarks
+NOT_BENCHES = {"_common", "render"}
+
+Report = dict[str, Any]
+#: (label, value) bars of one plot panel; each value is a ratio against the panel's anchor (1 = equal)
+Bars = list[tuple[str, float]]
+
+
+# ----------------------------------------------------------------------------------------------------- formatting
+
+
+def _num(x: Any) -> str:
+    """A number as the page prints it: integers with thousands separators; floats to 3 decimals below 100 (ratios,
+    seconds, shares), 1 below 1000, none above (rates)."""
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "-"
+        return f"{x:,.{3 if abs(x) < 100 else 1 if abs(x) < 1000 else 0}f}"
+    return str(x)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(c if isinstance(c, str) else _num(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _host(report: Report) -> list[str]:
+    h = report.get("host") or {}
+    parts = [p for p in (h.get("cpu_model"), h.get("cpu_capability") and f"cpu capability {h['cpu_capability']}",
+                         h.get("cpus") and f"{h['cpus']} CPUs", h.get("torch") and f"torch {h['torch']}") if p]  # fmt: skip
+    lines = []
+    if h.get("command"):
+        lines.append(f"- command: `{h['command']}`")
+    if parts:
+        lines.append("- host: " + ", ".join(str(p) for p in parts) + (f"; {h['note']}." if h.get("note") else "."))
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ per benchmark
+
+
+def _throughput(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    """``bench/zero.py`` and ``bench/fp8.py``: configurations side by side, ratios of ours to the anchors."""
+    rows = []
+    for name, r in report.get("results", {}).items():
+        rss = r.get("peak_rss_mb") or []
+        rows.append([f"`{name}`", r.get("tokens_per_s"), r.get("tokens_per_cpu_s"),
+                     " / ".join(f"{x:,.0f}" for x in rss) or "-", r.get("exposed_comm_share")])  # fmt: skip
+    lines = _table(["configuration", "tokens/s", "tokens/CPU-s", "peak RSS MB per rank", "exposed comm share"], rows)
+    wall, cpu = report.get("ratios", {}), report.get("ratios_per_cpu_s", {})
+    if wall or cpu:
+        lines += ["", *_table(["ratio (ours / anchor)", "tokens/s", "tokens/CPU-s"],
+                              [[f"`{k}`", wall.get(k), cpu.get(k)] for k in dict.fromkeys([*wall, *cpu])])]  # fmt: skip
+    lines += ["", ("tokens/CPU-s divides the tokens by both ranks' process CPU time: when other jobs share the cores "
+                   "it measures the work of each code path, while tokens/s also measures when each run was scheduled.")]
+    return lines, [("tokens/s, ours / anchor", list(wall.items()), list(cpu.items()))]
+
+
+def _collectives(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    rows, bars = [], []
+    for numel, r in report.get("results_by_input_numel", {}).items():
+        ms = r.get("ms", {})
+        for op in ("reduce_scatter", "all_gather"):
+            ratio = r.get(f"{op}_native/v17")
+            rows.append([_num(int(numel)), f"`{op}`", ms.get(f"{op}_native"), ms.get(f"{op}_v17"), ratio])
+            if ratio is not None:
+                bars.append((f"{op} {int(numel):,}", ratio))
+    lines = _table(["elements per rank", "collective", "native ms", "ours ms", "native / ours"], rows)
+    return lines, [("time, native / ours (gloo)", bars, [])]
+
+
+def _checkpoint(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    ours = report.get("async_blocking_s")
+    anchors = {**{f"raw DCP `async_save`, {k.removeprefix('raw_dcp_').replace('_', ' ')}": v
+                  for k, v in report.get("raw_dcp_async_save_blocking_s", {}).items()},
+               "a plain copy of the same local bytes": report.get("plain_copy_s"),
+               "a synchronous sharded save": report.get("sync_save_s")}  # fmt: skip
+    rows = [["`AsyncCheckpoint`'s saver (`AsyncShardedSaver.start`)", ours, "-"]]
+    rows += [[k, v, ours / v if ours and v else None] for k, v in anchors.items()]
+    lines = [(f"{_num(report.get('state_bytes_total'))} bytes of state on {report.get('world_size')} ranks; median "
+              f"of {report.get('repeats')} saves, the slowest rank's blocking time."), ""]
+    lines += _table(["what blocks the loop", "seconds", "ours / it"], rows)
+    if "meets_targets" in report:
+        lines += ["", f"Targets: {report.get('targets')}. Met in this run: {_num(report['meets_targets'])}."]
+    bars = [(k.replace("`", ""), v / ours) for k, v in anchors.items() if ours and v]
+    return lines, [("blocking time, anchor / ours", bars, [])]
+
+
+def _packing(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    arms = [a for a in ("packed", "padded", "length_grouped") if a in report]
+    rows = [[f"`{a}`", report[a].get("real_tokens"), report[a].get("real_tokens_per_s"),
+             report[a].get("padding_fraction"), report[a].get("attention_flops_fwd")] for a in arms]  # fmt: skip
+    lines = [(f"The same {_num(report.get('packed', {}).get('real_tokens'))} real tokens per arm, seq_len "
+              f"{report.get('seq_len')}, batch {report.get('batch_size')}."), ""]
+    lines += _table(["arm", "real tokens", "real tokens/s", "padding fraction", "attention FLOPs (forward)"], rows)
+    bars = [(f"packed / {b}", report[f"packed_over_{b}"]) for b in ("padded", "length_grouped")
+            if f"packed_over_{b}" in report]  # fmt: skip
+    if bars:
+        lines += ["", "Real tokens/s: " + ", ".join(f"{k} **{_num(v)}**" for k, v in bars) + "."]
+    return lines, [("real tokens/s, packed / anchor", bars, [])]
+
+
+def _activations(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    rows, bars = [], []
+    for r in report.get("rows", []):
+        label = f"{r['recompute']} {r['dtype']}" + (f" tp{r['tp']}" + (" sp" if r.get("sp") else "") if r.get("tp", 1) > 1 else "")
+        rows.append([r.get("tp"), "on" if r.get("sp") else "off", r["recompute"], r["dtype"], r.get("measured_bytes"),
+                     r.get("planned_bytes"), r.get("measured_over_planned"), r.get("korthikanti_bytes"),
+                     r.get("measured_over_korthikanti")])  # fmt: skip
+        bars.append((label, r["measured_over_planned"]))
+    shape = report.get("shape", {})
+    lines = ["Saved-activation bytes per block of the reference Llama ("
+             + ", ".join(f"{k}={v}" for k, v in shape.items()) + ").", ""]
+    lines += _table(["tp", "SP", "recompute", "dtype", "measured", "planner", "measured / planner",
+                     "Korthikanti Table 2", "measured / Table 2"], rows)  # fmt: skip
+    return lines, [("bytes per block, measured / planner", bars, [])]
+
+
+def _pipeline(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    res = report.get("results", {})
+    rows, bars = [], []
+    for r in report.get("bubble_table", []):
+        key = f"{r['schedule']}/m{r['m']}"
+        rows.append([f"`{r['schedule']}`", r["m"], r["measured"], r["simulated"], r["replayed"],
+                     r["planner_equal_times"], res.get(key, {}).get("tokens_per_s"), r["ok"]])  # fmt: skip
+        if r["measured"]:
+            bars.append((key, r["simulated"] / r["measured"]))
+    lines = [("pp=2; bubble = idle / busy per rank (Narayanan 2021); `simulated` is the planner fed with this run's "
+              "op times, their jitter and the measured P2P time; `T equal` is the planner's default."), ""]
+    lines += _table(["schedule", "m", "measured bubble", "simulated", "replayed", "T equal", "tokens/s",
+                     "within max(15%, 0.01)"], rows)  # fmt: skip
+    return lines, [("bubble, planner's simulation / measured", bars, [])]
+
+
+def _generic(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
+    lines = _table(["ratio", "value"], [[f"`{k}`", v] for k, v in ratios.items()]) if ratios else []
+    return lines, [("ratio", list(ratios.items()), [])] if ratios else []
+
+
+RENDERERS: dict[str, tuple[str, Callable[[Report], tuple[list[str], list[tuple[str, Bars, Bars]]]]]] = {
+    "zero": ("ZeRO: V17 stages against the anchors run in the same invocation", _throughput),
+    "collectives": ("gloo collectives: ours (all-to-all forms) against the native ones", _collectives),
+    "pipeline": ("Pipeline schedules: measured bubble against the planner", _pipeline),
+    "fp8": ("FP8 recipes against bf16 and fp32 (CPU: no float8 units)", _throughput),
+    "checkpoint": ("Checkpoint blocking: asynchronous staging against raw DCP and a plain copy", _checkpoint),
+    "packing": ("Packed against padded batches, the same documents", _packing),
+    "activations": ("Saved activations against the planner", _activations),
+}
+
+
+# ------------------------------------------------------------------------------------------------------ the page
+
+
+def load_results(results_dir: Path = RESULTS) -> dict[str, Report]:
+    """``{file stem: report}`` of every committed result, in the page's order: the benches of :data:`RENDERERS` in
+    theirs (others after them, by name), a bench's own file before its variants."""
+    order = list(RENDERERS)
+
+    def key(p: Path) -> tuple:
+        name = bench_of(p.stem)
+        return (order.index(name) if name in order else len(order), name, "-" in p.stem, p.stem)
+
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"), key=key)}
+
+
+def bench_of(stem: str) -> str:
+    """The script a result file belongs to: ``activations-tp2`` -> ``activations``."""
+    return stem.split("-", 1)[0]
+
+
+def benches(bench_dir: Path = ROOT / "bench") -> list[str]:
+    """The benchmark scripts in ``bench/``."""
+    return sorted(p.stem for p in Path(bench_dir).glob("*.py") if p.stem not in NOT_BENCHES)
+
+
+def render(results: dict[str, Report], *, all_benches: list[str], plot_name: str = PLOT.name) -> tuple[str, list]:
+    """The page's Markdown and the plot's panels ``[(title, label, wall bars, per-CPU-second bars)]``."""
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by bench/render.py from bench/results/*.json; do not edit by hand. -->",
+        "",
+        ("Each benchmark runs ours and its anchor in the same invocation, on the same model and data (`bench/`). "
+         "The results below are the committed JSON files in `bench/results/`, each with the command that produced it "
+         "and the host it ran on. Absolute times on a shared CPU host are noisy; the ratios come from configurations "
+         "run side by side. Regenerate this page with `python bench/render.py`."),
+        "",
+        f"![ratios against the anchors, per benchmark]({plot_name})",
+        "",
+    ]
+    panels = []
+    for stem, report in results.items():
+        name = bench_of(stem)
+        title, fn = RENDERERS.get(name, (f"`bench/{name}.py`", _generic))
+        body, bench_panels = fn(report)
+        lines += [f"## {title}" + (f" ({stem.split('-', 1)[1]})" if "-" in stem else ""), "",
+                  f"`bench/{name}.py`, `bench/results/{stem}.json`.", "", *_host(report), "", *body, ""]  # fmt: skip
+        panels += [(f"{stem}", label, wall, cpu) for label, wall, cpu in bench_panels if wall or cpu]
+    missing = [b for b in all_benches if not any(bench_of(s) == b for s in results)]
+    if missing:
+        lines += ["## Benchmarks without a committed result", "",
+                  "These run longer than a shared CPU host allows, need hardware it lacks, or have not been committed "
+                  "yet: " + ", ".join(f"`bench/{b}.py`" for b in missing) + ". `bash bench/gpu_check.sh` holds the "
+                  "GPU checks.", ""]  # fmt: skip
+    return "\n".join(lines).rstrip() + "\n", panels
+
+
+def draw(panels: list, path: Path) -> None:
+    """One horizontal bar chart per benchmark panel, a line at 1 (equal to the anchor)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heights = [max(1.6, 0.32 * max(len(w), len(c)) + 1.0) for _, _, w, c in panels] or [1.6]
+    fig, axes = plt.subplots(len(heights), 1, figsize=(8, sum(heights)), gridspec_kw={"height_ratios": heights},
+                             squeeze=False)  # fmt: skip
+    for ax, (stem, label, wall, cpu) in zip(axes[:, 0], panels):
+        names = list(dict.fromkeys([n for n, _ in wall] + [n for n, _ in cpu]))
+        w, c = dict(wall), dict(cpu)
+        ys = range(len(names))
+        if cpu:
+            ax.barh([y - 0.2 for y in ys], [w.get(n, 0) for n in names], height=0.4, label="wall clock")
+            ax.barh([y + 0.2 for y in ys], [c.get(n, 0) for n in names], height=0.4, label="per CPU-second")
+            ax.legend(loc="lower right", fontsize=7)
+        else:
+            ax.barh(list(ys), [w[n] for n in names], height=0.6)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_yticks(list(ys), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{stem}: {label}", fontsize=9, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare with the committed page instead of writing it")
+    args = ap.parse_args(argv)
+    text, panels = render(load_results(), all_benches=benches())
+    if args.check:
+        same = PAGE.exists() and PAGE.read_text() == text
+        print("docs/benchmarks.md is up to date" if same else "docs/benchmarks.md differs: run python bench/render.py")
+        return 0 if same else 1
+    PAGE.write_text(text)
+    draw(panels, PLOT)
+    print(f"wrote {PAGE.relative_to(ROOT)} and {PLOT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
