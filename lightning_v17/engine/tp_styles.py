@@ -105,8 +105,35 @@ class _PrepareFirstInput(ParallelStyle):
         return module
 
 
+class _RowwiseReplicatedInput(RowwiseParallel):
+    """``RowwiseParallel(input_layouts=Replicate())``; on an ``nn.Embedding`` (the vocab-parallel lookup) the weight's
+    gradient is kept in the weight's ``Shard(0)`` layout.
+
+    DTensor's embedding backward returns the table's gradient ``Replicate`` (every rank computes the whole dense
+    gradient from the replicated output gradient). Code that reads gradients shard by shard -- ZeRO-1/2 buckets,
+    norms of local gradients -- needs them in the parameter's layout, as FSDP2 redistributes them before its
+    reduce-scatter (``FSDPParam._get_grad_inner_tensor``); from ``Replicate`` that is a local slice, no communication.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate())
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Embedding) and isinstance(weight, DTensor):
+
+            def in_weight_layout(grad: torch.Tensor) -> torch.Tensor:
+                if isinstance(grad, DTensor) and grad.placements != weight.placements:
+                    return grad.redistribute(placements=weight.placements)
+                return grad
+
+            weight.register_hook(in_weight_layout)
+        return module
+
+
 #: Style names -> factories (a fresh ``ParallelStyle`` per module). Names follow Hugging Face transformers 5.x
-#: (``integrations/tensor_parallel.py``) where the DTensor style means the same thing.
+#: (``transformers/distributed/tensor_parallel.py`` in 5.24) where the DTensor style means the same thing.
 PARALLEL_STYLES: Mapping[str, Callable[[], ParallelStyle]] = types.MappingProxyType(
     {
         # weight Shard(0) (output features); input replicated, output the local shard of the last dim
@@ -118,9 +145,9 @@ PARALLEL_STYLES: Mapping[str, Callable[[], ParallelStyle]] = types.MappingProxyT
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         # row-parallel on a replicated input: split locally (no communication) before the matmul. On an
         # nn.Embedding this is the vocab-parallel lookup (table Shard(0), masked, partial sums all-reduced).
-        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_rep": _RowwiseReplicatedInput,
+        "rowwise_split_input": _RowwiseReplicatedInput,
+        "embedding_rowwise": _RowwiseReplicatedInput,
         # norms on a sequence-sharded (Shard(1)) residual stream, parameters replicated
         "sequence_parallel": lambda: SequenceParallel(),
         # every parameter a Replicate DTensor; the module computes on the replicated input

@@ -6,21 +6,27 @@ that module:
 
 * a ``pipeline_layout()`` method on the module or a submodule (a model hands the engine its own plan);
 * the reference :class:`lightning_v17.models.llama.Llama` (``tok_embeddings`` -> ``layers`` -> ``norm`` ->
-  ``output``; labels already shifted; document boundaries from ``position_ids``);
-* Hugging Face ``*ForCausalLM`` decoders, duck-typed by ``config.base_model_pp_plan`` and ``base_model_prefix``
-  (``model.embed_tokens`` -> ``model.layers`` -> ``model.norm`` -> ``lm_head``; labels shifted inside the loss);
+  ``output``; labels already shifted; document boundaries from ``position_ids``), run through ``Llama.forward``;
+* Hugging Face models with a ``config.base_model_pp_plan`` (duck-typed): the parts its pipeline plans name
+  (``model.embed_tokens`` -> ``model.layers`` -> ``model.norm`` -> ``lm_head`` for ``LlamaForCausalLM``; labels
+  shifted inside the loss);
 * litgpt ``GPT`` (``transformer.wte`` -> ``transformer.h`` -> ``transformer.ln_f`` -> ``lm_head``).
 
-Each stage function reproduces what the family's own ``forward`` computes around its blocks -- rotary embeddings,
-attention masks, embedding scaling, logit soft-capping -- on every stage that needs it, so a pipelined model computes
-exactly what the unsplit model computes. ``transformers`` and ``litgpt`` are optional (test extras): nothing here
-imports them at module import time.
+Third-party stages run the model's own public ``forward`` with the parts of other stages replaced by pass-throughs
+(:class:`_PublicForward`, the torchtitan / transformers way), never a copy of it: masks, rotary embeddings and
+embedding or logit scaling are whatever the installed release computes, so a new release does not break the stages
+and a family needs no code of its own here. What stays refused, with the fix: tied embedding/head weights across
+stages and parameters outside the plan's parts (``engine.pipeline.split_model``), and a plan with several
+parameterized parts before or after the blocks. ``transformers`` and ``litgpt`` are optional (test extras):
+nothing here imports them.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-from enum import StrEnum
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +36,7 @@ from lightning_v17.config import V17ConfigError
 from lightning_v17.engine.pipeline import PipelineLayout, StageModule
 from lightning_v17.models.llama import Llama
 
-__all__ = ["HF_PIPELINE_MODEL_TYPES", "model_pipeline_layout"]
+__all__ = ["model_pipeline_layout"]
 
 
 # ------------------------------------------------------------------------------------------- reference Llama (ours)
@@ -66,126 +72,190 @@ def _llama_layout(model: nn.Module) -> PipelineLayout:
     )
 
 
+# ----------------------------------------------------------------------------- third-party models: public forward
+
+
+class _Passthrough(nn.Module):
+    """Stands in for a part another stage owns, as transformers' own ``PipelineIdentityLayer`` does: returns its
+    first input. What it returns is never used (see :class:`_PublicForward`)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its parameters, buffers, hooks and config, with a child table of its own."""
+    view = copy.copy(module)
+    object.__setattr__(view, "_modules", dict(module._modules))
+    return view
+
+
+def _view_with(root: nn.Module, parts: dict[str, nn.Module]) -> nn.Module:
+    """``root`` as seen by one stage: each FQN in ``parts`` names the module given there.
+
+    ``root`` and the modules on the way to each part are shallow copies (:func:`_shallow`), so the model itself is
+    not touched and everything else in the view (rotary embeddings, dropout, config, buffers) is the model's own.
+    """
+    views = {"": _shallow(root)}
+    for fqn, part in parts.items():
+        path = fqn.split(".")
+        for i in range(1, len(path)):
+            key = ".".join(path[:i])
+            if key not in views:
+                parent = views[".".join(path[: i - 1])]
+                views[key] = parent._modules[path[i - 1]] = _shallow(parent._modules[path[i - 1]])
+        views[".".join(path[:-1])]._modules[path[-1]] = part
+    return views[""]
+
+
+def _feed(h: torch.Tensor, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of a stage's first block: its input is what the previous stage sent."""
+    if args:
+        return (h, *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": h}
+    raise V17ConfigError(
+        f"{type(_module).__name__} was called without positional hidden states or a hidden_states keyword, so a "
+        "pipeline stage cannot hand it the previous stage's output; give the module a pipeline_layout() or use pp=1"
+    )
+
+
+#: ``call(view, x, first, kwargs) -> logits``: one public forward of the model family on a stage's view; ``x`` is
+#: the token ids on the first stage and the received hidden states after.
+_Call = Callable[[nn.Module, torch.Tensor, bool, dict[str, Any]], torch.Tensor]
+
+
+@dataclass(eq=False)
+class _PublicForward:
+    """One pipeline stage of a third-party decoder, run through the model's own public ``forward``.
+
+    This is how torchtitan and transformers' own pipeline support (``transformers.distributed.pipeline_parallel``)
+    run a stage: the stage calls the whole model, in which the blocks of other stages are pass-throughs at their own
+    indices (a forward that looks up ``config.layer_types[i]`` still sees block i at i) and the embedding, norm and
+    head stand in with pass-throughs where another stage owns them. Everything the forward computes around the
+    blocks -- masks (packed documents from ``position_ids``, padding), rotary embeddings, embedding scaling, logit
+    scaling or soft-capping -- is the model's own code of the installed release, so nothing here follows a private
+    helper across releases. Two hooks make the result independent of what the pass-throughs return:
+
+    * a stage after the first feeds the received hidden states to its first block (a forward pre-hook), so a forward
+      that transforms its input embeddings (Granite's ``embedding_multiplier``) applies that transform on the first
+      stage only, as the unsplit model does (handing them in as ``inputs_embeds`` alone would apply it again);
+    * a stage before the last returns its last block's output (a forward hook), not what the norm and head
+      pass-throughs and any logit transform make of it.
+
+    Args:
+        model: the family's model (FQNs below are relative to it).
+        embed, blocks, norm, head: FQNs of the parts (``split_model`` sets them on each stage).
+        num_blocks: how many blocks the unsplit model has.
+        call: runs the family's public forward (:data:`_Call`).
+    """
+
+    model: nn.Module
+    embed: str | None
+    blocks: str
+    norm: str | None
+    head: str | None
+    num_blocks: int
+    call: _Call
+
+    def __call__(self, stage: StageModule, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        fill = _Passthrough()
+        own = dict(stage.blocks.items())  # original index -> block, in order
+        parts: dict[str, nn.Module] = {
+            self.blocks: nn.ModuleList([own.get(str(i), fill) for i in range(self.num_blocks)])
+        }
+        for fqn, mine in ((self.embed, stage.embed), (self.norm, stage.norm), (self.head, stage.head)):
+            if fqn is not None:
+                parts[fqn] = fill if mine is None else mine
+        view = _view_with(self.model, parts)
+        blocks = list(own.values())
+        sent: list[Any] = []
+        hooks = []
+        if not stage.is_first:
+            hooks.append(blocks[0].register_forward_pre_hook(functools.partial(_feed, x), with_kwargs=True))
+        if not stage.is_last:
+            hooks.append(blocks[-1].register_forward_hook(lambda _m, _a, out: sent.append(out)))
+        try:
+            logits = self.call(view, x, stage.is_first, kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        if stage.is_last:
+            return logits
+        if len(sent) != 1:
+            raise V17ConfigError(
+                f"{type(self.model).__name__}.forward called block {list(own)[-1]} {len(sent)} times instead of "
+                "once, so the pipeline stage cannot take its output; give the module a pipeline_layout() or use pp=1"
+            )
+        # transformers 5 decoder layers return the hidden states; older ones (and some families) a tuple
+        return sent[0][0] if isinstance(sent[0], tuple) else sent[0]
+
+
+def _count_params(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
 # ------------------------------------------------------------------------------------------------- Hugging Face
 
 
-class _HFMask(StrEnum):
-    """How a Hugging Face decoder picks each layer's attention mask (read from its ``*Model.forward``)."""
-
-    CAUSAL = "causal"  # create_causal_mask for every layer (Llama, OLMo-2)
-    CONFIG_WINDOW = "config_window"  # sliding-window mask iff config.sliding_window is set (Mistral, Phi-3)
-    LAYER_TYPE = "layer_type"  # per layer by decoder_layer.attention_type (Qwen2, Qwen3, SmolLM3)
-
-
-#: ``config.model_type`` of the Hugging Face decoders whose ``*Model.forward`` (read in transformers 5.3) is exactly:
-#: embed, causal / sliding mask, rotary ``position_embeddings`` from ``model.rotary_emb``, the layers, ``norm``, then
-#: ``lm_head`` and ``ForCausalLMLoss``; tests/unit/test_pp_layouts.py checks each one's stages against its own
-#: logits. Others (Gemma scales the embeddings, Granite multiplies them and the logits, Gemma-2 soft-caps the
-#: logits, ...) would silently compute something else, so they are refused.
-HF_PIPELINE_MODEL_TYPES: dict[str, _HFMask] = {
-    "llama": _HFMask.CAUSAL,
-    "olmo2": _HFMask.CAUSAL,
-    "mistral": _HFMask.CONFIG_WINDOW,
-    "phi3": _HFMask.CONFIG_WINDOW,
-    "qwen2": _HFMask.LAYER_TYPE,
-    "qwen3": _HFMask.LAYER_TYPE,
-    "smollm3": _HFMask.LAYER_TYPE,
-}
+def _hf_call(view: nn.Module, x: torch.Tensor, first: bool, kwargs: dict[str, Any]) -> torch.Tensor:
+    """``*ForCausalLM.forward`` without a KV cache; later stages hand their hidden states in as ``inputs_embeds``
+    (what transformers' own pipeline support does), which the forward reads for shapes, dtype and masks only: the
+    first block's pre-hook feeds them to the blocks."""
+    inputs = {"input_ids": x} if first else {"inputs_embeds": x}
+    return view(**inputs, **kwargs, use_cache=False).logits
 
 
-def _hf_stage_forward(
-    base: nn.Module,
-    rule: _HFMask,
-    stage: StageModule,
-    x: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One stage of a Hugging Face decoder, as ``LlamaModel.forward`` / ``Qwen2Model.forward`` / ... compute it
-    without a KV cache (training): masks from ``masking_utils`` with the same arguments, rotary embeddings from the
-    base model's ``rotary_emb`` (recomputed on every stage: they are not sent between stages)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    h = stage.embed(x) if stage.embed is not None else x
-    cache_position = torch.arange(h.shape[1], device=h.device)
-    if position_ids is None:
-        position_ids = cache_position.unsqueeze(0)
-    mask_kwargs = {
-        "config": base.config,
-        "inputs_embeds": h,
-        "attention_mask": attention_mask,
-        "cache_position": cache_position,
-        "past_key_values": None,
-        "position_ids": position_ids,
-    }
-    masks: dict[str, Any] = {}
-
-    def mask_for(layer: nn.Module) -> Any:
-        if rule == _HFMask.LAYER_TYPE:
-            kind = getattr(layer, "attention_type", "full_attention")
-        elif rule == _HFMask.CONFIG_WINDOW and getattr(base.config, "sliding_window", None) is not None:
-            kind = "sliding_attention"
-        else:
-            kind = "full_attention"
-        if kind not in masks:
-            make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-            if kind not in make:
-                raise V17ConfigError(f"pipeline stages do not build {kind!r} attention masks; use pp=1")
-            masks[kind] = make[kind](**mask_kwargs)
-        return masks[kind]
-
-    position_embeddings = base.rotary_emb(h, position_ids=position_ids)
-    for layer in stage.blocks.values():
-        out = layer(
-            h,
-            attention_mask=mask_for(layer),
-            position_embeddings=position_embeddings,
-            position_ids=position_ids,
-            past_key_values=None,
-            use_cache=False,
-            cache_position=cache_position,
-        )
-        # transformers 5 decoder layers return the hidden states; 4.x returned a tuple (hidden_states, ...).
-        h = out[0] if isinstance(out, tuple) else out
-    if stage.norm is not None:
-        h = stage.norm(h)
-    if stage.head is not None:
-        h = stage.head(h)
-    return h
-
-
-def _is_hf_causal_lm(module: nn.Module) -> bool:
+def _has_hf_pp_plan(module: nn.Module) -> bool:
     config = getattr(module, "config", None)
     prefix = getattr(module, "base_model_prefix", None)
     plan = getattr(config, "base_model_pp_plan", None)
     base = getattr(module, prefix, None) if isinstance(prefix, str) and prefix else None
-    return bool(plan) and isinstance(base, nn.Module) and isinstance(getattr(module, "lm_head", None), nn.Module)
+    return bool(plan) and isinstance(base, nn.Module) and base is not module
 
 
 def _hf_layout(model: nn.Module) -> PipelineLayout:
-    config = model.config
+    """The parts named by the model's own pipeline plans: ``config.base_model_pp_plan`` (ordered: what runs before
+    the blocks, the blocks, what runs after them; e.g. ``embed_tokens`` -> ``layers`` -> ``norm``) under
+    ``base_model_prefix``, and the head from the class ``_pp_plan`` (``{"lm_head": ...}``). Parameter-free
+    entries (``embed_dropout``) stay in the model's forward on every stage."""
+    name = type(model).__name__
     prefix = model.base_model_prefix
     base = getattr(model, prefix)
-    kind = getattr(config, "model_type", None)
-    if kind not in HF_PIPELINE_MODEL_TYPES:
+    plan = list(model.config.base_model_pp_plan)
+    absent = [n for n in plan if not isinstance(getattr(base, n, None), nn.Module)]
+    blocks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
+    heads = [n for n in getattr(type(model), "_pp_plan", None) or {} if isinstance(getattr(model, n, None), nn.Module)]
+    if absent or len(blocks) != 1 or len(heads) != 1:
+        why = (
+            f"lacks {absent}, which its base_model_pp_plan names" if absent
+            else f"has {len(blocks)} block lists in its base_model_pp_plan {plan}" if len(blocks) != 1
+            else f"names {len(heads)} output heads in its _pp_plan (a *ForCausalLM names one, lm_head)"
+        )  # fmt: skip
         raise V17ConfigError(
-            f"{type(model).__name__} (model_type={kind!r}) has a forward the pipeline stages do not reproduce; "
-            f"supported: {sorted(HF_PIPELINE_MODEL_TYPES)}. Give the module a pipeline_layout() returning a "
-            "lightning_v17.engine.pipeline.PipelineLayout, or train it with pp=1"
+            f"{name}.{prefix} {why}, so it cannot be cut into pipeline stages; give the module a pipeline_layout() "
+            "returning a lightning_v17.engine.pipeline.PipelineLayout, or use pp=1"
         )
-    plan = config.base_model_pp_plan
-    missing = [n for n in ("embed_tokens", "layers", "norm") if n not in plan or not hasattr(base, n)]
-    if missing or not hasattr(base, "rotary_emb"):
+    i = plan.index(blocks[0])
+    before = [n for n in plan[:i] if _count_params(getattr(base, n))]
+    after = [n for n in plan[i + 1 :] if _count_params(getattr(base, n))]
+    if len(before) > 1 or len(after) > 1:
         raise V17ConfigError(
-            f"{type(model).__name__}.{prefix} lacks {missing or ['rotary_emb']}, which its base_model_pp_plan "
-            "promises; give the module a pipeline_layout() or use pp=1"
+            f"{name}.{prefix} has several parts with parameters before ({before}) or after ({after}) its blocks; "
+            "the pipeline split places one embedding on the first stage and one norm on the last. Give the module "
+            "a pipeline_layout() or use pp=1"
         )
+    embed = f"{prefix}.{before[0]}" if before else None
+    norm = f"{prefix}.{after[0]}" if after else None
+    blocks_fqn = f"{prefix}.{blocks[0]}"
     return PipelineLayout(
-        embed=f"{prefix}.embed_tokens",
-        blocks=f"{prefix}.layers",
-        norm=f"{prefix}.norm",
-        head="lm_head",
-        stage_forward=functools.partial(_hf_stage_forward, base, HF_PIPELINE_MODEL_TYPES[kind]),
+        embed=embed,
+        blocks=blocks_fqn,
+        norm=norm,
+        head=heads[0],
+        stage_forward=_PublicForward(
+            model, embed, blocks_fqn, norm, heads[0], num_blocks=len(getattr(base, blocks[0])), call=_hf_call
+        ),
         shift_labels=True,
         stage_kwargs=("position_ids", "attention_mask"),
     )
@@ -194,35 +264,10 @@ def _hf_layout(model: nn.Module) -> PipelineLayout:
 # ------------------------------------------------------------------------------------------------------- litgpt
 
 
-def _litgpt_stage_forward(gpt: nn.Module, stage: StageModule, x: torch.Tensor, **_: Any) -> torch.Tensor:
-    """One stage of litgpt's ``GPT.forward(idx)`` (litgpt/model.py, training path without ``input_pos``): cos/sin
-    are the first T rows of the model's rope cache on every stage, the mask is None (causal), the embeddings are
-    scaled by sqrt(n_embd) when ``config.scale_embeddings``, and the logits soft-capped when
-    ``config.final_logit_softcapping`` is set. Like ``GPT.forward``, it takes no position ids (batch keys such as
-    ``position_ids`` are ignored: packed documents attend across boundaries exactly as in litgpt's own training)."""
-    cfg = gpt.config
-    t = x.shape[1]
-    if gpt.max_seq_length < t:
-        raise ValueError(f"Cannot forward sequence of length {t}, max seq length is only {gpt.max_seq_length}.")
-    cos, sin = gpt.cos[:t].unsqueeze(0), gpt.sin[:t].unsqueeze(0)
-    h = x
-    if stage.embed is not None:
-        h = stage.embed(x)
-        if cfg.scale_embeddings:
-            h = h * torch.tensor(cfg.n_embd**0.5, dtype=h.dtype)
-    for key, block in stage.blocks.items():
-        if cfg.rope_indices is not None:
-            idx = cfg.rope_indices[int(key)]
-            h = block(h, cos[..., idx], sin[..., idx], None, None, None)
-        else:
-            h = block(h, cos, sin, None, None, None)
-    if stage.norm is not None:
-        h = stage.norm(h)
-    if stage.head is not None:
-        h = stage.head(h)
-        if cfg.final_logit_softcapping is not None:
-            h = torch.tanh(h / cfg.final_logit_softcapping) * cfg.final_logit_softcapping  # litgpt do_softcapping
-    return h
+def _litgpt_call(view: nn.Module, x: torch.Tensor, first: bool, kwargs: dict[str, Any]) -> torch.Tensor:
+    """``GPT.forward(idx)`` (training path, no ``input_pos``; like it, no position ids). Later stages pass dummy ids
+    of the same shape, which the embedding's pass-through hands on and the first block's pre-hook replaces."""
+    return view(x if first else x.new_zeros(x.shape[:2], dtype=torch.long))
 
 
 def _is_litgpt_gpt(module: nn.Module) -> bool:
@@ -230,6 +275,7 @@ def _is_litgpt_gpt(module: nn.Module) -> bool:
     return (
         isinstance(transformer, nn.ModuleDict)
         and all(k in transformer for k in ("wte", "h", "ln_f"))
+        and isinstance(transformer["h"], nn.ModuleList)
         and isinstance(getattr(module, "lm_head", None), nn.Module)
         and hasattr(module, "rope_cache")
         and hasattr(getattr(module, "config", None), "n_embd")
@@ -237,13 +283,17 @@ def _is_litgpt_gpt(module: nn.Module) -> bool:
 
 
 def _litgpt_layout(model: nn.Module) -> PipelineLayout:
+    embed, blocks, norm, head = "transformer.wte", "transformer.h", "transformer.ln_f", "lm_head"
     return PipelineLayout(
-        embed="transformer.wte",
-        blocks="transformer.h",
-        norm="transformer.ln_f",
-        head="lm_head",
-        stage_forward=functools.partial(_litgpt_stage_forward, model),
+        embed=embed,
+        blocks=blocks,
+        norm=norm,
+        head=head,
+        stage_forward=_PublicForward(
+            model, embed, blocks, norm, head, num_blocks=len(model.transformer.h), call=_litgpt_call
+        ),
         shift_labels=False,
+        stage_kwargs=(),  # GPT.forward takes no position ids
     )
 
 
@@ -262,7 +312,7 @@ def _family_layout(module: nn.Module) -> PipelineLayout | None:
         return layout
     if isinstance(module, Llama):
         return _llama_layout(module)
-    if _is_hf_causal_lm(module):
+    if _has_hf_pp_plan(module):
         return _hf_layout(module)
     if _is_litgpt_gpt(module):
         return _litgpt_layout(module)
@@ -273,8 +323,8 @@ def model_pipeline_layout(module: nn.Module) -> PipelineLayout | None:
     """The pipeline layout of the decoder in ``module``, with FQNs relative to ``module``.
 
     ``module`` and then its submodules (outermost first) are tried in turn; the first that defines
-    ``pipeline_layout()`` or belongs to a known family (reference Llama, Hugging Face ``*ForCausalLM``, litgpt
-    ``GPT``) gives the layout.
+    ``pipeline_layout()`` or belongs to a known family (reference Llama, a Hugging Face model with a
+    ``base_model_pp_plan``, litgpt ``GPT``) gives the layout.
 
     Args:
         module: the model, or a module holding it (e.g. a LightningModule with ``self.model``).
@@ -283,8 +333,9 @@ def model_pipeline_layout(module: nn.Module) -> PipelineLayout | None:
         The layout for ``engine.pipeline.split_model(module, layout=...)``, or None when no decoder is recognized.
 
     Raises:
-        V17ConfigError: a Hugging Face decoder whose forward the stages do not reproduce, or a ``pipeline_layout()``
-            that returns something else than a ``PipelineLayout``.
+        V17ConfigError: a Hugging Face model whose pipeline plans do not name one block list, one head and at most
+            one parameterized part on each side of the blocks, or a ``pipeline_layout()`` that returns something
+            else than a ``PipelineLayout``.
     """
     for name, sub in module.named_modules():
         layout = _family_layout(sub)

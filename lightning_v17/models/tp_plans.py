@@ -11,9 +11,10 @@ plan, from the first source that has one (:func:`resolve_tp_plan`):
      :class:`~lightning_v17.models.llama.Llama`): its ``tensor_parallel_plan()`` roles, else Megatron's roles
      (:data:`~lightning_v17.models.llama.BLOCK_TP_PLAN`), through ``llama_tp_plan`` (sequence/vocab/loss parallel);
    * Hugging Face ``PreTrainedModel`` (duck-typed; transformers is a test extra, never imported here): its
-     ``config.base_model_tp_plan`` under ``base_model_prefix`` plus the class ``_tp_plan`` of the head
-     (``{"lm_head": "colwise_gather_output"}``); attention there reads its local head count from tensor shapes
-     (``view(..., -1, head_dim)``), so plain column/row sharding is exact;
+     ``config.base_model_tp_plan`` under ``base_model_prefix``, the instance plan ``post_init`` assembled (with the
+     vocab-parallel input embedding recent releases add) and the class ``_tp_plan`` of the head (``{"lm_head":
+     "colwise_gather_output"}``), each style meaning what it means in that release; attention there reads its local
+     head count from tensor shapes (``view(..., -1, head_dim)``), so plain column/row sharding is exact;
    * litgpt ``GPT`` (duck-typed): see :class:`LitGPTAttentionParallel` for its fused ``qkv``.
 
 The model's own plan comes back as a :class:`ModelTPPlan`, a callable that first checks that tp divides every sharded
@@ -21,8 +22,8 @@ dimension ("tp=3 must divide num_attention_heads=8; try tp in {1, 2, 4, 8}") and
 
 Limits (each refused with a V17ConfigError, never run wrongly): for Hugging Face and litgpt models,
 ``sequence_parallel`` (their blocks take the residual stream as a keyword or through a fused forward, which the
-sequence-sharded layout needs to intercept); tied input/output embeddings keep the head replicated (and refuse
-``vocab_parallel``/``loss_parallel``); litgpt's latent attention, MoE MLPs and q/k norms; Hugging Face styles this
+sequence-sharded layout needs to intercept); tied input/output embeddings keep the embedding and the head replicated
+(and refuse ``vocab_parallel``/``loss_parallel``); litgpt's latent attention, MoE MLPs and q/k norms; Hugging Face styles this
 engine does not implement (``packed_colwise``, ``replicated_with_grad_allreduce``, MoE styles). Parameters a string
 plan does not name (norms, an unsharded embedding) stay plain tensors, as in Hugging Face's own TP.
 """
@@ -175,26 +176,29 @@ def _fqn_of(root: nn.Module, target: nn.Module | None) -> str | None:
 def hf_tp_plan(
     model: nn.Module, *, vocab_parallel: bool = False, loss_parallel: bool = False
 ) -> tuple[Styles, dict[str, int]]:
-    """The plan a Hugging Face model supplies itself, keyed relative to ``model``.
+    """The plan a Hugging Face model supplies itself, keyed relative to ``model``, with the styles its release gives.
 
     ``config.base_model_tp_plan`` (e.g. ``{"layers.*.self_attn.q_proj": "colwise", ...}``) is placed under the base
-    model's prefix (``model.`` in ``LlamaForCausalLM``); the class ``_tp_plan`` adds the head
-    (``{"lm_head": "colwise_gather_output"}``), and the instance ``_tp_plan`` what ``post_init`` gathered from nested
-    submodels.
+    model's prefix (``model.`` in ``LlamaForCausalLM``); the instance ``_tp_plan`` adds what ``post_init`` gathered
+    (nested submodels; in recent releases, 5.24 among them, also ``{"model.embed_tokens": "embedding_rowwise"}``, the
+    vocab-parallel input embedding added to every plan), and the class ``_tp_plan`` the head (``{"lm_head":
+    "colwise_gather_output"}``). The style names mean what they mean in ``transformers/distributed/tensor_parallel.py``
+    (``lightning_v17.engine.tensor_parallel.PARALLEL_STYLES``): ``colwise`` q/k/v leave each rank its heads and the
+    attention reads the local head count from the shape (``view(*input_shape, -1, head_dim)``).
 
     Args:
         model: a ``transformers.PreTrainedModel`` (duck-typed).
-        vocab_parallel: shard the input embedding along the vocab (``"rowwise_rep"``: masked lookup, all-reduce).
+        vocab_parallel: shard the input embedding along the vocab (``"rowwise_rep"``: masked lookup, all-reduce),
+            whether or not the model's plan already does.
         loss_parallel: keep the head's logits a vocab-sharded DTensor (``Shard(-1)``); the loss must run inside
             ``loss_parallel_context``.
 
     Returns:
         ``(styles, dims)``: the plan and the dimensions tp must divide (``num_attention_heads``,
-        ``num_key_value_heads``, ``intermediate_size``, and ``vocab_size`` when the vocab is sharded).
+        ``num_key_value_heads``, ``intermediate_size``, and ``vocab_size`` when the vocab is sharded on request).
 
     Raises:
-        V17ConfigError: tied embeddings with vocab/loss parallel; vocab parallel with a ``padding_idx``;
-            loss parallel without a sharded head.
+        V17ConfigError: tied embeddings with vocab/loss parallel; loss parallel without a sharded head.
     """
     cfg = model.config
     prefix = type(model).base_model_prefix
@@ -213,16 +217,14 @@ def hf_tp_plan(
                 f"{type(model).__name__} ties its input and output embeddings (tie_word_embeddings=True): "
                 f"vocab_parallel/loss_parallel would shard the shared table for one use only; turn them off or untie"
             )
-        # The head's weight is the embedding table: sharding only the head would untie them. Both stay replicated.
-        styles = {k: v for k, v in styles.items() if k != head_fqn}
+        # One table, two uses sharded differently (the head's output features vs the embedding's rows looked up by
+        # token): sharding either would untie them, so both stay replicated.
+        styles = {k: v for k, v in styles.items() if k not in (head_fqn, emb_fqn)}
     if vocab_parallel:
         if emb_fqn is None:
             raise V17ConfigError(f"vocab_parallel: {type(model).__name__} has no input embedding to shard")
-        if getattr(emb, "padding_idx", None) is not None:
-            raise V17ConfigError(
-                f"vocab_parallel with padding_idx={emb.padding_idx} on {emb_fqn!r} is not supported (the padding row "
-                f"is global, the shards are local); set pad_token_id=None or turn vocab_parallel off"
-            )
+        # A padding_idx is fine: DTensor computes the table's gradient whole (Replicate), from the global token ids,
+        # so the padding row's gradient is zeroed where it lives (engine.tp_styles._RowwiseReplicatedInput).
         styles[emb_fqn] = "rowwise_rep"
     if loss_parallel:
         if head_fqn is None or head_fqn not in styles:
@@ -438,8 +440,8 @@ def resolve_tp_plan(
 
     1. ``explicit`` (the strategy's ``tp_plan=`` option): returned as a dict, its keys checked against ``module``.
     2. ``module.configure_tensor_parallel(mesh)`` (returned wrapped as ``plan(module, mesh)``), else a non-empty
-       ``module.tp_plan`` dict (a Hugging Face model's own ``tp_plan`` property is not a user hook: it lacks the
-       head; source 3 reads it completely).
+       ``module.tp_plan`` dict (a Hugging Face model's own ``tp_plan`` property is not a user hook: it is the
+       model's plan, which source 3 reads with the checks and options that apply to it).
     3. :func:`model_tp_plan`: every torchtitan-shaped Llama, Hugging Face ``PreTrainedModel`` and litgpt ``GPT``
        inside ``module``, as one :class:`ModelTPPlan` that validates tp before sharding.
 

@@ -59,6 +59,7 @@ def _check(results: list[dict]) -> None:
     for name in results[0]:
         got = mean_over_ranks([r[name] for r in results])
         errors[name] = max_rel(got, ref)
+    print({k: f"{v:.1e}" for k, v in errors.items()})
     bad = {k: v for k, v in errors.items() if v > RTOL}
     assert not bad, f"max relative loss error vs ddp over 6 steps (tolerance {RTOL}): {errors}"
 

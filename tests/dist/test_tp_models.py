@@ -1,7 +1,9 @@
 """Tensor parallel on third-party models with the plans they supply themselves, against a single-process reference.
 
-2 gloo ranks, engine level (no Lightning): Hugging Face ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` (plain
-column/row sharding from ``base_model_tp_plan`` + the head's ``_tp_plan``), litgpt ``GPT`` (fused ``qkv`` through
+2 gloo ranks, engine level (no Lightning): Hugging Face ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with the plan
+of the installed transformers (column/row sharding from ``base_model_tp_plan``, the vocab-parallel input embedding
+its ``post_init`` adds -- for Qwen2 with a padding row on the second rank's half of the table -- and the head's
+``_tp_plan``), litgpt ``GPT`` (fused ``qkv`` through
 ``LitGPTAttentionParallel``), and a user-written plan dict of style names. Tiny configs, random weights, fp32, built
 identically on every rank from one seed; nothing is downloaded.
 
@@ -91,8 +93,9 @@ def _tp_mesh():
 
 # ---------------------------------------------------------------------------------------------------- Hugging Face
 def _hf_model(family: str):
-    # Qwen2's q/k/v carry biases: random ones (std 0.02), not HF's zeros (see hf_causal_lm); Llama has none
-    return hf_causal_lm(family, bias_std=0.02)
+    # Qwen2's q/k/v carry biases: random ones (std 0.02), not HF's zeros (see hf_causal_lm); Llama has none. Qwen2's
+    # padding row (id 100, which the batches hit) lies on rank 1's half of the vocab-parallel embedding.
+    return hf_causal_lm(family, bias_std=0.02, **({"pad_token_id": 100} if family == "qwen2" else {}))
 
 
 def _hf_forward(model, ids):
@@ -171,7 +174,7 @@ def test_hf_llama_own_plan_and_user_string_plan():
     _check(
         results,
         {
-            "own": _hf_expected_sharded(4),
+            "own": _hf_expected_sharded(4, embed=True),  # the release's plan shards the input embedding
             "own_vocab_loss": _hf_expected_sharded(4, embed=True),
             "user_strings": _hf_expected_sharded(4, embed=True),
         },
@@ -187,7 +190,7 @@ def test_hf_llama_own_plan_and_user_string_plan():
 def test_hf_qwen2_own_plan():
     pytest.importorskip("transformers")
     results = spawn(_hf_worker, world_size=2, args=("qwen2",), timeout=230)
-    expected = _hf_expected_sharded(4)
+    expected = _hf_expected_sharded(4, embed=True)
     # column-parallel biases are sharded with their rows
     expected = sorted([*expected, *(f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(4) for p in "qkv")])
     _check(results, {"own": expected})

@@ -84,8 +84,9 @@ def test_style_names_map_to_dtensor_styles():
     for name in ("colwise_rep", "colwise_gather_output"):
         style = parallel_style(name)
         assert type(style) is ColwiseParallel and style.output_layouts == (Replicate(),)
-    rep_in = parallel_style("rowwise_rep")
-    assert type(rep_in) is RowwiseParallel and rep_in.input_layouts == (Replicate(),)
+    for name in ("rowwise_rep", "rowwise_split_input", "embedding_rowwise"):
+        rep_in = parallel_style(name)  # on an nn.Embedding it also keeps the weight's gradient Shard(0)
+        assert isinstance(rep_in, RowwiseParallel) and rep_in.input_layouts == (Replicate(),)
     assert type(parallel_style("sequence_parallel")) is SequenceParallel
     assert type(parallel_style("replicate")).__name__ == "_ReplicateParallel"
     assert parallel_style("colwise") is not parallel_style("colwise")  # a fresh object per module
@@ -212,9 +213,11 @@ def test_hf_plan_is_base_model_plan_under_prefix_plus_head():
     plan = resolve_tp_plan(model)
     assert plan.styles["model.layers.*.self_attn.q_proj"] == "colwise"
     assert plan.styles["model.layers.*.mlp.down_proj"] == "rowwise"
-    assert plan.styles["lm_head"] == "colwise_gather_output"  # from the class _tp_plan, not the instance's
-    assert "lm_head" not in model.tp_plan  # why: HF's own tp_plan property lacks the head
-    assert len(expand_plan(model, plan.styles)) == 2 * 7 + 1
+    assert plan.styles["lm_head"] == "colwise_gather_output"  # from the class _tp_plan
+    # the vocab-parallel input embedding the release adds to the instance plan (post_init), in HF's style name
+    assert plan.styles["model.embed_tokens"] == "embedding_rowwise"
+    assert {k: v for k, v in plan.styles.items() if k in model.tp_plan} == model.tp_plan  # HF's plan, unchanged
+    assert len(expand_plan(model, plan.styles)) == 2 * 7 + 2
     assert plan.sources == ("hf LlamaForCausalLM at ''",)
 
 
@@ -222,7 +225,8 @@ def test_hf_tied_embeddings_keep_the_head_replicated():
     model = _hf_llama(tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     plan = resolve_tp_plan(model)
-    assert "lm_head" not in plan.styles and "model.layers.*.self_attn.q_proj" in plan.styles
+    assert "model.layers.*.self_attn.q_proj" in plan.styles
+    assert "lm_head" not in plan.styles and "model.embed_tokens" not in plan.styles  # sharding either unties them
     with pytest.raises(V17ConfigError, match="tie_word_embeddings"):
         resolve_tp_plan(model, vocab_parallel=True)
 
@@ -232,8 +236,6 @@ def test_options_a_family_cannot_honour_are_refused():
         resolve_tp_plan(_hf_llama(), sequence_parallel=True)
     with pytest.raises(V17ConfigError, match="sequence_parallel"):
         resolve_tp_plan(_litgpt(), sequence_parallel=True)
-    with pytest.raises(V17ConfigError, match="padding_idx=0"):
-        resolve_tp_plan(_hf_llama(pad_token_id=0), vocab_parallel=True)
     moe = _litgpt(mlp_class_name="LLaMAMoE", n_expert=2, n_expert_per_token=1, moe_intermediate_size=32)
     with pytest.raises(V17ConfigError, match="LLaMAMoE"):
         resolve_tp_plan(moe)
