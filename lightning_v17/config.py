@@ -264,10 +264,21 @@ class ZeroPolicy:
             parameter along dim 0 (balanced; exact for elementwise optimizers: SGD/Adam/AdamW/...). "params": whole
             parameters per rank, as ``ZeroRedundancyOptimizer`` (exact for any per-parameter optimizer: Adafactor,
             Muon, 8-bit). "auto": "rows" if every optimizer is an elementwise ``torch.optim`` class, else "params".
+            Stage 3: "params" steps every optimizer's parameters whole on owner ranks, "rows" none, "auto" the
+            optimizers that need whole parameters or cannot step DTensors (``engine/owner_step.py``).
         overlap_comm: overlap gradient reductions and (stage 3) parameter all-gathers with compute where the
             backend does not already (gloo on CPU: async work on gloo's threads). Bitwise the same results.
         prefetch_units: stage 3 with ``overlap_comm``: how many ZeRO-3 units ahead to all-gather, in forward and in
             backward (DeepSpeed's ``stage3_prefetch_bucket_size``, counted in units); 0 turns prefetching off.
+        meta_init: stage 3: build ``configure_model`` on the meta device, so that each rank only ever allocates its
+            shards (deferred init; needed when the full model does not fit in one rank's memory). Every module
+            built there must initialize itself: ``reset_parameters()`` or an ``init_weights()`` on an enclosing
+            module (torchtitan's convention). Weights cannot be loaded there: ``load_state_dict`` into the meta
+            model is refused (``assign=True`` keeps the loaded tensors), and ``from_pretrained`` refuses the meta
+            device itself. False (default): Lightning's semantics, as its FSDP and ModelParallel strategies:
+            ``configure_model`` builds real tensors, so ``from_pretrained`` and ``load_state_dict`` work there;
+            the model may still build parts on meta itself (``self.trainer.init_module(empty_init=True)``), and only
+            what is still on meta at setup is initialized.
     """
 
     stage: int = 3
@@ -277,6 +288,7 @@ class ZeroPolicy:
     optimizer_partition: str = "auto"
     overlap_comm: bool = True
     prefetch_units: int = 1
+    meta_init: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -295,6 +307,14 @@ class ZeroPolicy:
             raise V17ConfigError(
                 f"optimizer_partition={self.optimizer_partition!r}; choose 'auto', 'rows' (dim-0 slices, elementwise "
                 "optimizers) or 'params' (whole parameters per rank, any per-parameter optimizer)"
+            )
+        if not isinstance(self.meta_init, bool):
+            raise V17ConfigError(f"meta_init={self.meta_init!r} must be True or False")
+        if self.meta_init and self.stage != 3:
+            raise V17ConfigError(
+                f"meta_init=True builds configure_model on the meta device so that ZeRO-3 allocates only each rank's "
+                f"shards; zero_stage={self.stage} keeps whole parameters on every rank: use zero_stage=3, or drop "
+                "meta_init"
             )
         object.__setattr__(self, "wrap_classes", tuple(self.wrap_classes))
 

@@ -150,7 +150,8 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         optimizer_partition: stages 1-2: "rows" splits every parameter's optimizer state along dim 0 (exact for
             elementwise optimizers such as SGD/Adam/AdamW), "params" gives each rank whole parameters (exact for any
             per-parameter optimizer such as Adafactor), "auto" picks "rows" when every optimizer is an elementwise
-            ``torch.optim`` class, else "params".
+            ``torch.optim`` class, else "params". Stage 3: "params" steps every optimizer's parameters whole on
+            owner ranks, "rows" none, "auto" those that need whole parameters or cannot step DTensors.
         zero: the ZeRO options as one :class:`~lightning_v17.config.ZeroPolicy` (Python users); not together with
             the flat ZeRO arguments above.
         pipeline: the pipeline options as one :class:`~lightning_v17.config.PipelinePolicy`.
@@ -416,6 +417,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
         self._parallel = parallelize(
             model, mesh=self.mesh, policy=policy, device=self.root_device, tp_plan=tp_plan, pp_layout=layout,
             loss_fn=loss_fn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            steps_inside_forward=not getattr(model, "automatic_optimization", True),
         )  # fmt: skip
         return model
 
@@ -435,8 +437,11 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model``: when parameters are sharded (stage 3) the model is built on the meta device."""
-        with torch.device("meta") if self.policy.zero.shards_params else nullcontext():
+        """Around ``configure_model``: real tensors, as in Lightning's own FSDP and ModelParallel strategies, so that
+        ``from_pretrained`` and ``load_state_dict`` work there (each rank holds the whole model until ``setup``
+        shards it). ``ZeroPolicy(meta_init=True)`` builds it on the meta device instead, so that only the shards
+        are ever allocated, and refuses loads there (:func:`lightning_v17.engine.fsdp.deferred_init`)."""
+        with fsdp_engine.deferred_init() if self.policy.zero.meta_init else nullcontext():
             yield
 
     # ------------------------------------------------------------------ step
@@ -454,7 +459,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             if self._pipelined():
                 return _pipeline.training_step(self, args, kwargs)
             with self._loss_parallel():
-                return super().training_step(*args, **kwargs)
+                return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -462,7 +467,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             if self._pipelined():
                 return _pipeline.eval_step(self, "val", args, kwargs)
             with self._loss_parallel():
-                return super().validation_step(*args, **kwargs)
+                return self._step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -470,7 +475,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
             if self._pipelined():
                 return _pipeline.eval_step(self, "test", args, kwargs)
             with self._loss_parallel():
-                return super().test_step(*args, **kwargs)
+                return self._step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -479,7 +484,21 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
                 f"predict with pp={self.mesh.spec.pp} is not supported (only the last stage would hold the outputs); "
                 "predict with pp=1 (a pp checkpoint loads at pp=1)"
             )
-        return super().predict_step(*args, **kwargs)
+        return self._step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _step(self, hook: str, step_context: Any, args: tuple, kwargs: dict) -> Any:
+        """Lightning's dispatch of a step hook (``Strategy.training_step`` and its siblings). At stage 3 the hook runs
+        as the FSDP2 root's forward (:func:`lightning_v17.engine.fsdp.run_as_forward`): Lightning calls it directly,
+        never the module's ``forward``, so the root's own hooks (its all-gather, its reduce-scatter after backward)
+        would not run; under manual optimization optimizers may step inside it
+        (:func:`~lightning_v17.engine.fsdp.optimizer_steps_inside`)."""
+        module = self.lightning_module
+        root = fsdp_engine.fsdp_root(module) if module is not None else None
+        if root is None:
+            return getattr(super(), hook)(*args, **kwargs)
+        manual = hook == "training_step" and not module.automatic_optimization
+        with step_context(), fsdp_engine.optimizer_steps_inside(root) if manual else nullcontext():
+            return fsdp_engine.run_as_forward(root, getattr(module, hook), *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -512,7 +531,7 @@ class V17Strategy(WorldCollectives, ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         with self._watch("optimizer_step"):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
-            self.zero.after_optimizer_step()  # stages 1/2: every rank stepped its part; make the parameters whole
+            self.zero.after_optimizer_step(optimizer)  # stages 1/2: make this optimizer's parameters whole again
             if self._parallel is not None and self._parallel.fp8 is not None:
                 self._parallel.fp8.after_optimizer_step()  # float8 scales: all-gathered weights', delayed histories
         return out

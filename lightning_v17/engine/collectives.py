@@ -270,9 +270,18 @@ def install_fsdp_comms(modules: list[Any], group: Any, *, defer_reduce_scatter: 
         return False
     ag = FSDPAllToAllAllGather()
     deferred = DeferredReduceScatters() if defer_reduce_scatter else None
+    per_state: dict[int, Any] = {}
     for m in modules:
-        state = m._get_fsdp_state() if deferred is not None and hasattr(m, "_get_fsdp_state") else None
-        m._v17_reduce_scatter = rs = FSDPAllToAllReduceScatter(deferred, state, world=dist.get_world_size(group))
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        # The modules of one grouped unit (``fully_shard([a, b])``: children sharing a parameter) share one state,
+        # hence one reduce-scatter; a root without parameters of its own has no group, and nothing to install.
+        if state is not None and getattr(state, "_fsdp_param_groups", None) == []:
+            continue
+        key = id(state) if state is not None else id(m)
+        if key not in per_state:
+            world = dist.get_world_size(group)
+            per_state[key] = FSDPAllToAllReduceScatter(deferred, state if deferred is not None else None, world=world)
+        m._v17_reduce_scatter = rs = per_state[key]
         m.set_custom_reduce_scatter(rs)
         m.set_custom_all_gather(ag)
     return True

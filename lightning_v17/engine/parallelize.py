@@ -115,8 +115,9 @@ def apply_zero_stage(
     device: torch.device,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    steps_inside_forward: bool = False,
 ) -> ZeroBackend:
-    """Apply ``policy.zero`` (and parameter offload) over the data-parallel axes; materialize a meta model.
+    """Apply ``policy.zero`` (and parameter offload) over the data-parallel axes; materialize what is still on meta.
 
     Args:
         module: the (already split / tensor-parallel / checkpointed) model.
@@ -125,6 +126,9 @@ def apply_zero_stage(
         device: where parameters live.
         param_dtype: stage 3 compute dtype (FSDP2 ``MixedPrecisionPolicy``); None keeps the parameters' dtype.
         reduce_dtype: gradient reduction dtype.
+        steps_inside_forward: stage 3: the module's step hook steps optimizers inside itself (Lightning's manual
+            optimization), so each parameterized child becomes a unit of its own (``apply_fsdp``'s
+            ``child_units``).
     """
     z = policy.zero
     engine = zero_engine.apply_zero(
@@ -140,7 +144,9 @@ def apply_zero_stage(
         offload_params=policy.offload.params == Tier.CPU,
         overlap_comm=z.overlap_comm,
         prefetch_units=z.prefetch_units,
+        child_units=steps_inside_forward,
     )
+    # Only what is still on the meta device (meta_init, empty_init): weights loaded in configure_model are kept.
     fsdp_engine.materialize_meta_module(module, device=device)
     return ZeroBackend(
         module,
@@ -148,6 +154,7 @@ def apply_zero_stage(
         engine=engine,
         shard_group=mesh.group("dp_shard"),
         shard_size=mesh.spec.dp_shard,
+        partition=z.optimizer_partition,
     )
 
 
@@ -215,6 +222,7 @@ def parallelize(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    steps_inside_forward: bool = False,
 ) -> Parallelized:
     """Apply every parallelism axis of ``policy`` to ``module`` in place, in torchtitan's order; see the module doc.
 
@@ -234,6 +242,8 @@ def parallelize(
             ``pipeline_loss``); None: token-mean cross-entropy against ``labels``.
         param_dtype: stage 3 compute dtype for mixed precision.
         reduce_dtype: gradient reduction dtype.
+        steps_inside_forward: the module's step hook steps optimizers inside itself (Lightning's manual
+            optimization); see :func:`apply_zero_stage`.
 
     Returns:
         A :class:`Parallelized` holding the ZeRO backend, the pipeline runtime (pp > 1) and the units.
@@ -246,8 +256,9 @@ def parallelize(
     if done is not None:
         if not done.zero.active:
             done.zero = apply_zero_stage(
-                module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
-            )
+                module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                steps_inside_forward=steps_inside_forward,
+            )  # fmt: skip
         _attach_param_offload(module, done.zero, policy)  # again after a teardown brought the shards back
         return done
     spec = mesh.spec
@@ -292,8 +303,9 @@ def parallelize(
         apply_tensor_parallel(module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.sequence_parallel)
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model
-        module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
-    )
+        module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        steps_inside_forward=steps_inside_forward,
+    )  # fmt: skip
     if fp8 is not None:
         fp8.init_state()  # delayed scaling: fresh histories (a materialized meta model's buffers are garbage)
     sync_replicas(module, mesh=mesh, backend=backend)  # 6. one model on every replica

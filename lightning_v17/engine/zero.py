@@ -13,6 +13,19 @@
   backward, the full gradients of the buckets still in flight (at most the whole model when communication is slower
   than backward). During gradient accumulation (``require_grad_sync=False``) the full gradients accumulate locally and
   stay resident until the last micro-step, which communicates once.
+* Frozen parameters (``requires_grad=False`` at setup: a LoRA model's base, a frozen backbone) are outside the
+  partition: no gradient is reduced for them, no rows are sharded, and an optimizer that lists them (peft's examples
+  pass ``self.parameters()``) has them dropped from its param groups, since nothing could step them. The optimizer
+  state is that of the trainable parameters only, sharded (DeepSpeed's ZeRO-1/2 optimizer also keeps only the
+  trainable parameters of each group).
+* Several optimizers (a GAN's generator and discriminator, manual optimization): each optimizer's step is followed by
+  the refresh of *its* parameters only (:meth:`ZeroEngine.gather_params` with that optimizer); the other network's
+  parameters are not written, so a graph built through them before this step still back-propagates. What the
+  refresh writes in place are parameters this very step has just updated (their rows here, or whole on their owner),
+  as DDP's step updates each of them in place on every rank: a graph that still holds one fails exactly where it
+  would under DDP. Each optimizer's ``zero_grad`` clears its own parameters' gradients only, and
+  ``toggle_optimizer`` reaches the parameters through what the optimizers hold
+  (:class:`~lightning_v17.engine.zero_layout.ShardParameter`).
 * Stage 3: FSDP2 ``fully_shard`` per unit (the repeated blocks) plus the residual top-level modules
   (:mod:`lightning_v17.engine.fsdp`). State dicts for DCP, every stage: :mod:`lightning_v17.engine.state_dict`.
 
@@ -36,12 +49,14 @@ from lightning_v17.engine.fsdp import apply_fsdp
 from lightning_v17.engine.zero_comm import gather_bucket, pack_grad, pack_rows
 from lightning_v17.engine.zero_layout import (
     PARTITIONS,
+    ShardParameter,
     _Bucket,
     _local,
     _Param,
     _rows,
     chunk_rows,
     is_elementwise_optimizer,
+    shard_view,
 )
 
 __all__ = ["ZeroEngine", "apply_zero", "broadcast_module", "chunk_rows", "is_elementwise_optimizer"]
@@ -67,7 +82,8 @@ class ZeroEngine:
       (:func:`is_elementwise_optimizer`), else "params".
 
     Args:
-        module: the model; its trainable parameters are reduced (shared parameters once, under their first FQN).
+        module: the model; its trainable parameters are reduced (shared parameters once, under their first FQN);
+            the frozen ones (``requires_grad=False`` now) are left out (see the module docstring).
         stage: 0, 1 or 2.
         shard_group: process group of the ``dp_shard`` axis (optimizer state and, at stage 2, gradients are
             partitioned over it).
@@ -131,6 +147,8 @@ class ZeroEngine:
             self.params.append(_Param(fqn, p, r.shape[0], r.shape[1], start, stop, padded))
         self.by_param = {id(e.param): e for e in self.params}
         self.by_shard: dict[int, _Param] = {}
+        #: id(optimizer) -> (the parameters it holds, their gather buckets): what its step refreshes
+        self._stepped_by: dict[int, tuple[list[_Param], list[_Bucket]]] = {}
 
         # Buckets in reverse registration order: backward produces the last layers' gradients first (as DDP does).
         bucket_bytes = bucket_mb * 2**20
@@ -178,8 +196,9 @@ class ZeroEngine:
         """Rebuild ``optimizer`` in place over the local dim-0 shards (stage >= 1); returns the same object.
 
         The optimizer object, its class, its param groups and hyperparameters are kept (LR schedulers still point
-        at it); only each group's ``params`` list is swapped for leaf views of this rank's rows of every parameter,
-        so ``optimizer.step()`` writes the full parameter's local rows in place and :meth:`gather_params` completes
+        at it); only each group's ``params`` list is swapped for leaf views of this rank's rows of every parameter
+        (:class:`~lightning_v17.engine.zero_layout.ShardParameter`; frozen parameters dropped), so
+        ``optimizer.step()`` writes the full parameter's local rows in place and :meth:`gather_params` completes
         them. Works for any ``torch.optim.Optimizer`` whose update is elementwise per parameter (Adam/AdamW/SGD/
         Lion/...); optimizers that need the whole matrix (Shampoo, Adafactor's factored rows/columns) are not
         partitioned exactly and must use stage 0 or 3.
@@ -190,38 +209,47 @@ class ZeroEngine:
             self.choose_partition([optimizer])
         if optimizer.state:
             raise RuntimeError("shard_optimizer must run before the first optimizer step (the optimizer has state)")
+        entries: list[_Param] = []
         for group in optimizer.param_groups:
             new = []
             for p in group["params"]:
                 e = self.by_param.get(id(p))
                 if e is None:
+                    if not p.requires_grad:
+                        continue  # frozen: outside the partition, and no gradient will ever step it (module docstring)
                     raise V17ConfigError(
-                        "the optimizer holds a parameter that is not a trainable parameter of the LightningModule; "
-                        "build optimizers from self.parameters() in configure_optimizers"
+                        "the optimizer holds a trainable parameter that is not a parameter of the LightningModule; "
+                        "build optimizers from self.parameters() (or a subset of them) in configure_optimizers"
                     )
-                if self.owner_mode:
-                    if e.owner == self.rank:
-                        e.shard = e.param  # the optimizer steps the whole parameter; gather_params broadcasts it
-                        self.by_shard[id(e.param)] = e
-                        new.append(e.param)
-                    continue
-                if e.shard is None:
-                    local = _rows(e.param.detach())[e.start : e.stop]
-                    shape = _local(e.param).shape
-                    local = local.view((e.stop - e.start, *shape[1:])) if len(shape) else local.view(-1)
-                    e.shard = nn.Parameter(local, requires_grad=True)  # shares storage with the full parameter
-                    self.by_shard[id(e.shard)] = e
+                entries.append(e)
+                if self.owner_mode and e.owner == self.rank:
+                    e.shard = e.param  # the optimizer steps the whole parameter; gather_params broadcasts it
+                elif e.shard is None:
+                    # rows: a view of this rank's rows; params: an empty stand-in on the ranks that do not own it,
+                    # so every rank's param_groups list the same parameters (Lightning's toggle_optimizer)
+                    e.shard = ShardParameter(shard_view(e, empty=self.owner_mode), e.param)
+                self.by_shard[id(e.shard)] = e
                 new.append(e.shard)
             group["params"] = new
         optimizer._v17_zero = self  # type: ignore[attr-defined]
+        held = {id(e.param) for e in entries}
+        if held == set(self.by_param):
+            buckets = self.buckets  # the common case, one optimizer over the whole model: the reduction's buckets
+        else:  # the same buckets restricted to this optimizer's parameters: the same order on every rank
+            buckets = []
+            for b in self.buckets:
+                mine = [e for e in b.params if id(e.param) in held]
+                if mine:
+                    buckets.append(_Bucket(mine, sum(e.seg_numel for e in mine)))
+        self._stepped_by[id(optimizer)] = (entries, buckets)
         # The optimizer now only sees the shards, so its zero_grad would leave the full parameters' gradients (stage
-        # 1 keeps them; stage 2 during accumulation) to leak into the next step. Clear them too.
+        # 1 keeps them; stage 2 during accumulation) to leak into the next step. Clear them too, for this optimizer's
+        # parameters only: another optimizer's gradients are not its to clear (a GAN accumulates them separately).
         inner_zero_grad = optimizer.zero_grad
-        engine = self
 
         def zero_grad(set_to_none: bool = True) -> None:
             inner_zero_grad(set_to_none=set_to_none)
-            for e in engine.params:
+            for e in entries:
                 if e.param.grad is not None:
                     if set_to_none:
                         e.param.grad = None
@@ -340,16 +368,18 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ after the step
     @torch.no_grad()
-    def gather_params(self) -> None:
-        """All-gather every rank's updated rows into the full parameters (stages 1/2), bucket by bucket."""
+    def gather_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """All-gather every rank's updated rows into the full parameters (stages 1/2), bucket by bucket: those of
+        ``optimizer`` (the one that just stepped), or of every parameter when None or not sharded here."""
         if self.stage == 0:
             return
+        entries, buckets = self._stepped_by.get(id(optimizer), (self.params, self.buckets))
         if self.owner_mode:
-            self._broadcast_owned()
+            self._broadcast_owned(entries)
             return
         # Bucket k+1 is packed while bucket k is on the wire; at most two are in flight (two receive buffers).
         pending: list[Any] = []
-        for b in self.buckets:
+        for b in buckets:
             pending.append(gather_bucket(b, world=self.world, rank=self.rank, group=self.shard_group))
             if len(pending) > 1:
                 pending.pop(0).wait()
@@ -357,12 +387,13 @@ class ZeroEngine:
             p.wait()
 
     @torch.no_grad()
-    def _broadcast_owned(self) -> None:
-        """partition="params": each rank broadcasts the parameters it stepped (one flat broadcast per owner)."""
+    def _broadcast_owned(self, entries: list[_Param]) -> None:
+        """partition="params": each rank broadcasts the parameters of ``entries`` it stepped (one flat broadcast per
+        owner)."""
         if self.world == 1:
             return
         for r in range(self.world):
-            owned = [_local(e.param.detach()) for e in self.params if e.owner == r]
+            owned = [_local(e.param.detach()) for e in entries if e.owner == r]
             if not owned:
                 continue
             flat = torch.cat([t.reshape(-1) for t in owned]) if r == self.rank else torch.empty(
@@ -418,8 +449,10 @@ class ZeroEngine:
             e = by_fqn[fqn]
             if self.owner_mode:
                 # whole parameters, saved by their owner only (plain tensors, or the TP DTensor of a TP parameter);
-                # DCP reads them back into any layout (rows, FSDP2 shards, another owner)
-                state[fqn] = dict(st)
+                # DCP reads them back into any layout (rows, FSDP2 shards, another owner). The other ranks' empty
+                # stand-ins hold no state but what _init_optim_state's zero-lr step gave them: not saved.
+                if e.owner == self.rank:
+                    state[fqn] = dict(st)
                 continue
             tp_param = isinstance(e.param, DTensor)
             out = {}
@@ -443,6 +476,23 @@ class ZeroEngine:
             state[fqn] = out
         groups = [{**g, "params": [idx_to_fqn[j] for j in g["params"]]} for g in sd["param_groups"]]
         return {"state": state, "param_groups": groups}
+
+    def init_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give an optimizer that has not stepped yet its state tensors (torch's ``_init_optim_state``: one step with
+        zero gradients at lr 0), so that DCP has tensors to load into. With ``partition="params"`` the empty
+        stand-ins of the parameters other ranks own are out of the groups meanwhile: nothing steps them, and an
+        optimizer that divides by a parameter's size (``torch.optim.Adafactor``) cannot step an empty one."""
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        groups = [g["params"] for g in optimizer.param_groups]
+        try:
+            if self.owner_mode:
+                for g in optimizer.param_groups:
+                    g["params"] = [p for p in g["params"] if self.by_shard[id(p)].owner == self.rank]
+            _init_optim_state(optimizer)
+        finally:
+            for g, params in zip(optimizer.param_groups, groups):
+                g["params"] = params
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
         """Inverse of :meth:`optimizer_state_dict` (DTensors, or full plain tensors from a stage-0 checkpoint).
@@ -469,7 +519,8 @@ class ZeroEngine:
                 continue  # another pipeline stage's parameter
             e = by_fqn[fqn]
             if self.owner_mode:
-                state[fqn_to_idx[fqn]] = dict(st)  # whole-parameter states, already in the template's layout
+                if e.owner == self.rank:  # whole-parameter states, already in the template's layout
+                    state[fqn_to_idx[fqn]] = dict(st)
                 continue
             out = {}
             for k, v in st.items():
@@ -517,13 +568,15 @@ def apply_zero(
     optimizer_partition: str = "auto",
     overlap_comm: bool = True,
     prefetch_units: int = 1,
+    child_units: bool = False,
 ) -> ZeroEngine | None:
     """Apply ZeRO ``stage`` to ``module`` over the data-parallel axes of ``mesh`` (a DeviceMesh with axes
     "dp_replicate", "dp_shard" and the flattened "dp"). Returns the :class:`ZeroEngine` for stages 0-2, None for 3.
 
     ``param_dtype`` (stages 0-2) is ignored: mixed precision there is autocast (Lightning's precision plugin) over
     fp32 parameters, which are then the master weights themselves. ``overlap_comm`` (every stage) and
-    ``prefetch_units`` (stage 3): see :class:`ZeroEngine` and :func:`~lightning_v17.engine.fsdp.apply_fsdp`.
+    ``prefetch_units`` and ``child_units`` (stage 3): see :class:`ZeroEngine` and
+    :func:`~lightning_v17.engine.fsdp.apply_fsdp`.
     """
     replicate = mesh["dp_replicate"].size() > 1
     shard_mesh = mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
@@ -538,6 +591,7 @@ def apply_zero(
             offload_params=offload_params,
             overlap_comm=overlap_comm,
             prefetch_units=prefetch_units,
+            child_units=child_units,
         )
         return None
     engine = ZeroEngine(

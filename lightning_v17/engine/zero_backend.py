@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_v17.config import V17ConfigError
 from lightning_v17.engine import fsdp as fsdp_engine
 from lightning_v17.engine import offload as offload_engine
 from lightning_v17.engine.zero import ZeroEngine
@@ -38,6 +39,8 @@ class ZeroBackend:
         engine: the :class:`ZeroEngine` for stages 0-2; None for stage 3.
         shard_group: process group of the ``dp_shard`` axis (what stages 1-3 partition over).
         shard_size: size of that axis.
+        partition: ``optimizer_partition``; at stage 3 it decides which optimizers step whole parameters on owner
+            ranks (:func:`~lightning_v17.engine.owner_step.plan_step`); stages 0-2 read it from their engine.
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class ZeroBackend:
         engine: ZeroEngine | None,
         shard_group: Any,
         shard_size: int,
+        partition: str = "auto",
     ) -> None:
         if (engine is None) != (stage == 3):
             raise ValueError(f"ZeroBackend(stage={stage}) needs a ZeroEngine exactly for stages 0-2")
@@ -56,6 +60,7 @@ class ZeroBackend:
         self.engine = engine
         self.shard_group = shard_group
         self.shard_size = shard_size
+        self.partition = partition
         #: False after :meth:`remove` (Trainer teardown): the stage must be applied again before the next run
         self.active = True
         #: the optimizers' offload engines (``offload_optimizer`` "cpu"/"nvme"), closed by :meth:`remove`
@@ -125,18 +130,31 @@ class ZeroBackend:
 
     # ------------------------------------------------------------------ optimizer
     def prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer], *, offload: Any = None) -> None:
-        """Partition the optimizers' state (stages 1-2) before their first step; stage 3 needs nothing (FSDP2's
-        parameters are already the shards). With an ``offload`` policy whose optimizer tier is "cpu"/"nvme", each
+        """Partition the optimizers' state (stages 1-2) before their first step. At stage 3 FSDP2's parameters are
+        already the shards, and each optimizer is planned once (:func:`~lightning_v17.engine.owner_step.plan_step`):
+        one that needs whole parameters or cannot step DTensors (``torch.optim.Adafactor``, bitsandbytes' 8-bit
+        optimizers, a class not known to be elementwise) steps each parameter whole on an owner rank
+        (:mod:`lightning_v17.engine.owner_step`); an elementwise one that cannot take DTensors (bitsandbytes' 32-bit
+        optimizers) steps the local shards. With an ``offload`` policy whose optimizer tier is "cpu"/"nvme", each
         (partitioned) optimizer then steps through that tier (:mod:`lightning_v17.engine.offload`). Otherwise a user's
         own elementwise ``torch.optim`` optimizer (AdamW, Adam, SGD, ...) steps DTensor parameters (stage 3, TP) on
         their local shards (:func:`~lightning_v17.optim.local_shards.enable_local_step`): bitwise the same update
-        without DTensor dispatch per op."""
+        without DTensor dispatch per op.
+
+        Raises:
+            V17ConfigError: at stage 3, an optimizer that steps whole parameters with offloaded optimizer state or
+                parameters, or over tensor-parallel parameters (:class:`~lightning_v17.engine.owner_step.OwnerStep`).
+        """
         optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
         if self.engine is not None:
             self.engine.choose_partition(optimizers)
             for opt in optimizers:
                 self.engine.shard_optimizer(opt)
         params = self.param_offload if self.param_offload is not None and not self.param_offload.closed else None
+        owner_steps: list[Any] = []
+        if self.engine is None:
+            offloaded = offload is not None and (offload.optimizer != "none" or params is not None)
+            owner_steps = self._plan_stage3(optimizers, offloaded=offloaded)
         if offload is not None and (offload.optimizer != "none" or params is not None):
             import torch.distributed as dist
 
@@ -162,8 +180,38 @@ class ZeroBackend:
         from lightning_v17.optim.local_shards import enable_local_step
 
         for opt in optimizers:
-            if offload_engine.offload_of(opt) is None:  # an offloaded step already runs on local tensors
+            if offload_engine.offload_of(opt) is None and opt not in owner_steps:  # those step plain tensors already
                 enable_local_step(opt)  # the user's torch.optim AdamW/SGD/...: local shards, bitwise the same
+
+    def _plan_stage3(self, optimizers: list[Any], *, offloaded: bool) -> list[Any]:
+        """Stage 3: plan every optimizer's step (module docstring of :mod:`lightning_v17.engine.owner_step`), attach
+        the owner steps (their owners balanced over all of them) and the local-shard steps; returns the optimizers
+        that step on owner ranks."""
+        from lightning_v17.engine.owner_step import StepPlan, attach_owner_steps, plan_step
+        from lightning_v17.optim.local_shards import step_on_local_shards
+
+        plans = [plan_step(o, partition=self.partition) for o in optimizers]
+        owners = [o for o, plan in zip(optimizers, plans) if plan == StepPlan.OWNER]
+        if owners and offloaded:
+            names = sorted({type(o).__name__ for o in owners})
+            raise V17ConfigError(
+                f"zero_stage=3 steps {', '.join(names)} whole on owner ranks (it needs whole parameters or cannot step "
+                "DTensor shards), which the offloaded step (offload_optimizer / offload_params) cannot do yet: it "
+                "steps each rank's own shards chunk by chunk. Use offload_optimizer='none' and offload_params='none' "
+                "with it, or one of lightning_v17.optim's optimizers (Adafactor, Adam8bit, Lion8bit step the shards)"
+            )
+        for o, plan in zip(optimizers, plans):
+            if plan == StepPlan.LOCAL_SHARDS:
+                step_on_local_shards(o)  # before an offload wraps it: its chunks then step the local tensors
+        if not owners:
+            return []
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        # the FQNs torch's get_optimizer_state_dict would write (wrapper prefixes such as activation checkpointing's
+        # removed), so that a checkpoint names every stage's optimizer state alike
+        names = {id(p): next(iter(_get_fqns(self.module, key))) for key, p in self.module.named_parameters()}
+        attach_owner_steps(owners, names=names)
+        return owners
 
     def backward_context(self) -> Any:
         """What the strategy runs backward inside: with an nvme tier (optimizer state or parameters) under
@@ -180,23 +228,31 @@ class ZeroBackend:
 
         return own_mappings() if self.map_backward else nullcontext()
 
-    def after_optimizer_step(self) -> None:
-        """Stages 1-2: every rank stepped its part; all-gather (or broadcast) it into the replicated parameters."""
+    def after_optimizer_step(self, optimizer: Any = None) -> None:
+        """Stages 1-2: every rank stepped its part of ``optimizer``'s parameters; all-gather (or broadcast) them into
+        the replicated parameters. Only that optimizer's: with several (a GAN), the others' parameters are left
+        untouched, and a graph built through them still back-propagates. None: every parameter."""
         if self.engine is not None:
-            self.engine.gather_params()
+            self.engine.gather_params(getattr(optimizer, "_optimizer", optimizer))
+        else:  # stage 3, a step inside a step hook (manual optimization): the root's own parameters gathered anew
+            fsdp_engine.after_optimizer_step(self.module, optimizer)
 
     def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
         """FQN-keyed optimizer state for DCP: DTensor shards (stages 1-3) or whole tensors (stage 0)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
-            _init_optim_state,
             get_optimizer_state_dict,
         )
 
+        from lightning_v17.engine.owner_step import owner_step_of
+
         opt = getattr(optimizer, "_optimizer", optimizer)
+        owner = owner_step_of(opt)
+        if owner is not None:  # stage 3, whole parameters on owner ranks: each owner's whole states, by FQN
+            return owner.state_dict()
         with offload_engine.materialized(opt):  # offloaded state: read from its tier for the save
             if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
-                _init_optim_state(opt)  # empty state gets tensors (a zero-lr step), so that DCP has something to load
+                self.engine.init_optimizer_state(opt)  # empty state gets tensors, so that DCP has something to load
                 return self.engine.optimizer_state_dict(opt)
             return get_optimizer_state_dict(self.module, opt, options=StateDictOptions(full_state_dict=False))
 
@@ -204,7 +260,13 @@ class ZeroBackend:
         """Load what :meth:`optimizer_state_dict` produced (after ``dcp.load`` filled it in place)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        from lightning_v17.engine.owner_step import owner_step_of
+
         opt = getattr(optimizer, "_optimizer", optimizer)
+        owner = owner_step_of(opt)
+        if owner is not None:
+            owner.load_state_dict(state)
+            return
         with offload_engine.materialized(opt):  # offloaded state: written back to its tier after the load
             if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
                 self.engine.load_optimizer_state_dict(opt, state)

@@ -21,7 +21,7 @@ __all__ = ["OptimizerName", "build_optimizer", "optimizer_class", "optimizer_kin
 
 
 class OptimizerName(StrEnum):
-    """The optimizers of :mod:`lightning_v17.optim` (issue 11: AdamW, CPU-Adam, Adam8bit, Adafactor, Lion 32/8-bit).
+    """The optimizers of :mod:`lightning_v17.optim` (AdamW, CPU-Adam, Adam8bit, Adafactor, Lion 32/8-bit).
 
     The planner's :class:`~lightning_v17.config.OptimizerKind` counts state bytes; :attr:`planner_kind` maps each
     name onto it (CPU-Adam keeps AdamW's fp32 moments).

@@ -4,7 +4,7 @@ Why: on FSDP2 (ZeRO-3) and tensor-parallel DTensor parameters, several optimizer
 (bitsandbytes 8-bit Adam/Lion: "mixed Tensor and DTensor"; bitsandbytes 32-bit Lion: no sharding strategy;
 DeepSpeed's CPU-Adam: a C++ op on raw storage), and the ones that can pay DTensor dispatch on every elementwise op:
 torch AdamW over a tiny GPT took 13.0 ms per step on DTensors against 4.7 ms on the local tensors and 2.2 ms fused
-(issue 16; re-measured with this module, see :class:`~lightning_v17.optim.library.AdamW`: the fused kernel is
+(re-measured with this module, see :class:`~lightning_v17.optim.library.AdamW`: the fused kernel is
 the larger win, and it costs about the same on DTensors and on local tensors). An elementwise update of a shard
 equals the shard of the full update, so stepping the local tensors is exact for AdamW, CPU-Adam and Lion.
 
@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 __all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "LocalShardStep", "enable_local_step", "has_dtensor_params", "local_grad",
-           "local_shards"]  # fmt: skip
+           "local_shards", "replace_step", "step_on_local_shards"]  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -149,15 +149,13 @@ ELEMENTWISE_TORCH_OPTIMIZERS: tuple[str, ...] = (
 
 
 def enable_local_step(optimizer: Any) -> bool:
-    """Make a user's own ``torch.optim`` optimizer step DTensor parameters on their local shards (issue 16).
+    """Make a user's own ``torch.optim`` optimizer step DTensor parameters on their local shards.
 
     torch's optimizers step DTensors op by op through DTensor dispatch: the default per-tensor AdamW over a 3.7M-param
     GPT under FSDP2 took 66-72 ms per step on DTensors (``lightning_v17.optim.library.AdamW``'s docstring). For the
     classes in :data:`ELEMENTWISE_TORCH_OPTIMIZERS` (exactly those classes: a subclass may override ``step``) the
-    instance's ``step`` is replaced by one that runs the closure, then the original step inside
-    :func:`local_shards`; the user's own arguments (foreach, fused, amsgrad, ...) are untouched, and results are
-    bitwise those of the DTensor step. Optimizer step hooks see the local aliases while they run. An LR scheduler
-    made before or after keeps counting steps (its wrapper calls through, or wraps, this one).
+    instance's ``step`` is replaced by :func:`step_on_local_shards`; the user's own arguments (foreach, fused,
+    amsgrad, ...) are untouched, and results are bitwise those of the DTensor step.
 
     Returns:
         True if the step was replaced; False when nothing needs it (no DTensor parameter, not one of those classes,
@@ -167,28 +165,57 @@ def enable_local_step(optimizer: Any) -> bool:
     name = type(opt).__name__
     if name not in ELEMENTWISE_TORCH_OPTIMIZERS or type(opt) is not getattr(torch.optim, name, None):
         return False  # our library's classes step local shards already; a subclass may override step
-    if getattr(opt, "_v17_local_step", False) or not has_dtensor_params(opt.param_groups):
-        return False
     if any(g.get("differentiable", False) for g in opt.param_groups):
         return False  # the step is part of an autograd graph: leave it on the DTensors
-    previous = opt.step
+    return step_on_local_shards(opt)
 
-    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+
+def step_on_local_shards(optimizer: Any) -> bool:
+    """Replace the instance's ``step`` by one that runs the closure, then the original step inside
+    :func:`local_shards`, whatever the class: the caller has decided that its update is elementwise (the
+    :data:`ELEMENTWISE_TORCH_OPTIMIZERS`; bitsandbytes' 32-bit optimizers, whose C kernels cannot take DTensors;
+    a class declaring ``v17_elementwise = True``). Optimizer step hooks see the local aliases while they run.
+
+    Returns:
+        True if the step was replaced; False without DTensor parameters or when it already was.
+    """
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    if getattr(opt, "_v17_local_step", False) or not has_dtensor_params(opt.param_groups):
+        return False
+
+    def body(previous: Callable[[], Any], closure: Callable[[], Any] | None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with local_shards(self):
+        with local_shards(opt):
             previous()
         return loss
 
-    # A partial, not a bound method, so it can carry what torch's LR schedulers look for: ``__func__`` (a scheduler
-    # made later wraps ``step.__func__``) and ``_wrapped_by_lr_sched`` (a scheduler made earlier warns "optimizer.step()
-    # has been overridden" unless it still finds its mark; its wrapper is ``previous`` and still runs each step)
-    replacement = functools.partial(step, opt)
+    replace_step(opt, body)
+    opt._v17_local_step = True
+    return True
+
+
+def replace_step(
+    optimizer: torch.optim.Optimizer, body: Callable[[Callable[[], Any], Callable[[], Any] | None], Any]
+) -> None:
+    """Replace ``optimizer.step`` on the instance by ``body(previous, closure)``, where ``previous()`` is the step
+    it replaces (the class's, or an LR scheduler's wrapper of it) and ``closure`` the caller's; ``body`` runs the
+    closure itself and returns the loss.
+
+    An LR scheduler made before or after keeps counting steps: the replacement is a partial, not a bound method, so
+    it can carry what torch's LR schedulers look for: ``__func__`` (a scheduler made later wraps ``step.__func__``)
+    and ``_wrapped_by_lr_sched`` (a scheduler made earlier warns "optimizer.step() has been overridden" unless it
+    still finds its mark; its wrapper is ``previous`` and still runs each step).
+    """
+    previous = optimizer.step
+
+    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        return body(previous, closure)
+
+    replacement = functools.partial(step, optimizer)
     replacement.__func__ = step  # type: ignore[attr-defined]
     if getattr(previous, "_wrapped_by_lr_sched", False):
         replacement._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    opt.step = replacement
-    opt._v17_local_step = True
-    return True
+    optimizer.step = replacement  # type: ignore[method-assign]

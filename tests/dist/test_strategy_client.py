@@ -78,6 +78,7 @@ def _llama_deferred(rank: int) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader, Dataset
 
+    from lightning_v17.config import ZeroPolicy
     from lightning_v17.models import LlamaLM
 
     class Packed(Dataset):
@@ -107,7 +108,9 @@ def _llama_deferred(rank: int) -> dict:
 
     model = Spy(model="tiny", model_overrides={"layers": 2}, warmup_steps=0)
     rec = loss_recorder()
-    trainer = _quiet_trainer(strategy=V17Strategy(zero_stage=3), max_steps=3, callbacks=[rec, InitCapture()])
+    # deferred init is an opt-in (ZeroPolicy.meta_init): by default configure_model builds real tensors
+    strategy = V17Strategy(zero=ZeroPolicy(stage=3, meta_init=True))
+    trainer = _quiet_trainer(strategy=strategy, max_steps=3, callbacks=[rec, InitCapture()])
     trainer.fit(model, DataLoader(Packed(), batch_size=2))
     local = sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor))
     full = sum(p.numel() for p in model.parameters())
@@ -249,7 +252,7 @@ def test_demo_transformer_zero3_matches_lightning_ddp(results: list[dict]) -> No
 def test_llama_deferred_init_zero3(results: list[dict]) -> None:
     for res in results:
         llama = res["llama"]
-        assert llama["meta"] is True, "configure_model must run on the meta device under zero_stage=3"
+        assert llama["meta"] is True, "configure_model must run on the meta device under ZeroPolicy(meta_init=True)"
         assert llama["local"] <= 0.55 * llama["full"], llama
         assert len(llama["losses"]) == 3 and all(torch.isfinite(torch.tensor(llama["losses"])))
     # the two ranks hold disjoint halves
