@@ -2,7 +2,8 @@
 
 * **glibc.** :func:`own_mappings` (the optimizer tier's first step and checkpoint loads: the state the optimizer
   creates on the heap leaves as its own mappings instead of fragmenting the heap), :func:`fix_mmap_threshold` (the
-  parameter tier, for the whole process), :func:`trim_heap`. Why and what they cost: ``engine/offload.py``.
+  parameter tier, for the whole process), :func:`trim_heap`; neither raises a threshold the user fixed in the
+  environment (:func:`user_mmap_threshold`). Why and what they cost: ``engine/offload.py``.
 * **The pool.** :class:`BufferPool` hands out buffers from the tier's I/O backend (``alloc``: page-locked for
   DeepSpeed's op, anonymous mappings for the thread pool), takes back the buffers of finished write-backs, and
   refills a buffer only when nothing else views it (:func:`sole_owner`).
@@ -25,7 +26,7 @@ from lightning_v17.engine import nvme
 
 __all__ = [
     "HEAP_MMAP_THRESHOLD", "AfterWrite", "BufferPool", "PooledRead", "fix_mmap_threshold", "mapped_empty", "own_mappings",
-    "sole_owner", "trim_heap",
+    "sole_owner", "trim_heap", "user_mmap_threshold",
 ]  # fmt: skip
 
 
@@ -48,12 +49,57 @@ HEAP_MMAP_THRESHOLD = 32 * 2**20
 _FIXED: list[int] = []  # the threshold fix_mmap_threshold set for the whole process, if it did
 
 
+def _env_threshold(environ: dict[str, str]) -> int | None:
+    """The mmap threshold ``environ`` fixes for glibc (``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=N``, else the
+    older alias ``MALLOC_MMAP_THRESHOLD_=N``), or None."""
+    for item in environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name == "glibc.malloc.mmap_threshold":
+            try:
+                return int(value, 0)
+            except ValueError:
+                return None
+    try:
+        return int(environ["MALLOC_MMAP_THRESHOLD_"], 0)
+    except (KeyError, ValueError):
+        return None
+
+
+@functools.cache
+def user_mmap_threshold() -> int | None:
+    """The mmap threshold the user fixed for this process through its environment (what glibc read when the process
+    started: ``/proc/self/environ``, as a forked worker inherits it; a later change of ``os.environ`` is not glibc's),
+    or None. glibc has no getter for the threshold, so one set with ``mallopt`` from inside the process is unknown
+    here: set it in the environment, and the tiers keep it."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            pairs = [kv.decode(errors="replace").partition("=") for kv in f.read().split(b"\0") if kv]
+        environ = {k: v for k, _, v in pairs}
+    except OSError:
+        import os
+
+        environ = dict(os.environ)
+    return _env_threshold(environ)
+
+
+def _kept_threshold() -> int | None:
+    """The process-wide threshold :func:`own_mappings` must leave in place at its end: one fixed by the user's
+    environment or by :func:`fix_mmap_threshold` (the lower: the lower maps more)."""
+    fixed = [t for t in (user_mmap_threshold(), *_FIXED) if t is not None]
+    return min(fixed) if fixed else None
+
+
 @functools.cache
 def fix_mmap_threshold(nbytes: int = 2**20) -> bool:
     """glibc: serve allocations of ``nbytes`` or more with their own mmap, returned to the OS when freed (and stop
     glibc's dynamic threshold raise), for the rest of the process (the parameter tier: it frees and refills shard
-    storages every step). Once per process; False where it is not glibc."""
+    storages every step). A lower threshold the user's environment fixed stays (it maps more). Once per process;
+    False where it is not glibc."""
     libc = _libc()
+    user = user_mmap_threshold()
+    if libc is not None and user is not None and user <= nbytes:
+        _FIXED.append(user)
+        return True
     ok = bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, nbytes))
     if ok:
         _FIXED.append(nbytes)
@@ -67,14 +113,20 @@ _SCOPES_LOCK = threading.Lock()
 @contextmanager
 def own_mappings(nbytes: int = 2**20) -> Generator[None, None, None]:
     """glibc: inside, allocations of ``nbytes`` or more get their own mapping, unmapped (so out of the RSS) when
-    freed; afterwards the threshold is :data:`HEAP_MMAP_THRESHOLD` and the trim threshold twice that, what glibc's
-    dynamic adjustment reaches by itself (``mallopt`` ends that adjustment for good). Nothing where
-    :func:`fix_mmap_threshold` fixed the process's threshold, or where it is not glibc.
+    freed; afterwards the threshold is the one the process had fixed (:func:`user_mmap_threshold`: the user's
+    environment, or :func:`fix_mmap_threshold`), else :data:`HEAP_MMAP_THRESHOLD` and the trim threshold twice that,
+    what glibc's dynamic adjustment reaches by itself (``mallopt`` ends that adjustment for good). Nothing where the
+    fixed threshold is already ``nbytes`` or lower, or where it is not glibc.
+
+    A threshold the user set (e.g. ``MALLOC_MMAP_THRESHOLD_=65536``, so that freed tensors leave the process) is
+    never replaced by a higher one: the heap would keep what the user asked to give back (a 100M-parameter MLP at
+    ZeRO-3 with the optimizer on nvme: the heap grew by 90 MiB, a quarter of the offloaded Adam moments).
 
     The setting is the process's (every thread), so scopes nest and overlap: the threshold goes back only when the
     last open scope closes (a buffer allocated inside backward's scope must not end backward's)."""
     libc = _libc()
-    if libc is None or _FIXED:
+    kept = _kept_threshold()
+    if libc is None or (kept is not None and kept <= nbytes):
         yield
         return
     with _SCOPES_LOCK:
@@ -85,9 +137,13 @@ def own_mappings(nbytes: int = 2**20) -> Generator[None, None, None]:
     finally:
         with _SCOPES_LOCK:
             _SCOPES[0] -= 1
-            if not _SCOPES[0] and not _FIXED:
-                libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
-                libc.mallopt(M_TRIM_THRESHOLD, 2 * HEAP_MMAP_THRESHOLD)
+            if not _SCOPES[0]:
+                kept = _kept_threshold()
+                if kept is not None:
+                    libc.mallopt(M_MMAP_THRESHOLD, kept)  # the trim threshold is the user's: untouched
+                else:
+                    libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+                    libc.mallopt(M_TRIM_THRESHOLD, 2 * HEAP_MMAP_THRESHOLD)
 
 
 def mapped_empty(size: Any, *, dtype: torch.dtype, min_bytes: int = 2**20) -> torch.Tensor:
@@ -122,8 +178,8 @@ class BufferPool:
     :func:`~.nvme.host_buffer`), so a backend swapped in later is the one used.
 
     Args:
-        cap: buffers held at most (the tier: ``2 * buffer_count - 1``: one chunk stepping, ``buffer_count - 1`` read
-            ahead, as many being written back).
+        cap: buffers held at most (the optimizer tier: ``buffer_count``, every chunk stepping, read ahead or being
+            written back; ``OffloadPolicy.buffer_count`` states the bound in bytes).
     """
 
     def __init__(self, cap: int) -> None:
@@ -133,27 +189,40 @@ class BufferPool:
         self.retired: list[torch.Tensor] = []  # buffers something else still viewed: freed once nothing does
         self.allocations = 0  # buffers allocated through the backend, ever
 
-    def take(self, nbytes: int, io: Any, wait_for_one: Callable[[], bool]) -> torch.Tensor:
-        """A buffer of at least ``nbytes``: the smallest free one that fits, else a new one (as large as the largest
-        owned) while fewer than ``cap`` are owned (a free one too small is given back first), else, once ``wait_for_one`` (wait for the oldest
-        write-back; False when none is in flight) returned a buffer, that; else a plain :func:`~.nvme.host_buffer`
-        outside the pool (more chunks in memory at once than the step needs: a checkpoint's whole state)."""
-        for _ in range(2):
-            fit = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
-            if fit:  # list.remove would compare tensors by value
-                return self.free.pop(min(fit, key=lambda i: self.free[i].numel()))
-            if len(self.owned) >= self.cap and self.free:
-                self.release(self.free.pop(0), io)  # too small for this chunk
-            if len(self.owned) < self.cap:  # as large as the largest yet: chunk sizes differ, buffers converge
-                size = max([nbytes, *(b.numel() for b in self.owned.values())])
-                with own_mappings():  # DeepSpeed's locked buffers come from malloc: not pinned inside the heap
-                    buf = getattr(io, "alloc", nvme.host_buffer)(size)
-                self.owned[id(buf)] = buf
-                self.allocations += 1
+    def take(self, nbytes: int, io: Any, *, size: int = 0) -> torch.Tensor | None:
+        """A buffer of at least ``nbytes``: the smallest free one that fits, else a new one while fewer than ``cap``
+        are owned (a free one too small is given back first), as large as ``size``, ``nbytes`` and the largest owned
+        (chunk sizes differ: the buffers converge to the largest); None when all ``cap`` are in use."""
+        fit = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
+        if fit:  # list.remove would compare tensors by value
+            return self.free.pop(min(fit, key=lambda i: self.free[i].numel()))
+        if len(self.owned) >= self.cap and self.free:
+            self.release(self.free.pop(0), io)  # too small for this chunk
+        if len(self.owned) >= self.cap:
+            return None
+        size = max([nbytes, size, *(b.numel() for b in self.owned.values())])
+        with own_mappings():  # DeepSpeed's locked buffers come from malloc: not pinned inside the heap
+            buf = getattr(io, "alloc", nvme.host_buffer)(size)
+        self.owned[id(buf)] = buf
+        self.allocations += 1
+        return buf
+
+    def take_or_wait(self, nbytes: int, io: Any, wait_for_one: Callable[[], bool], *, size: int = 0) -> torch.Tensor:
+        """:meth:`take`, waiting for write-backs (``wait_for_one``: wait for the oldest; False when none is in
+        flight) until a buffer is back; else a plain :func:`~.nvme.host_buffer` outside the pool (more chunks in
+        memory at once than the step needs: a checkpoint's whole state)."""
+        while True:
+            buf = self.take(nbytes, io, size=size)
+            if buf is not None:
                 return buf
             if not wait_for_one():
-                break
-        return nvme.host_buffer(nbytes)
+                return nvme.host_buffer(nbytes)
+
+    def retire(self, buf: torch.Tensor) -> None:
+        """``buf`` is never refilled (something else views it: a state tensor a caller kept); it stops counting
+        against ``cap`` and is freed once nothing views it."""
+        if self.owned.pop(id(buf), None) is not None:
+            self.retired.append(buf)
 
     def give_back(self, buf: torch.Tensor, io: Any) -> None:
         """A finished write-back's buffer: free for the next read when nothing else views it, else retired (never

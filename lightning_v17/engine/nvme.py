@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import uuid
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ import torch
 
 from lightning_v17.config import V17ConfigError
 
-__all__ = ["NvmeFileSet", "ThreadPoolIO", "check_nvme_path", "free_margin_bytes", "host_buffer", "open_io"]
+__all__ = [
+    "NvmeFileSet", "ThreadPoolIO", "check_nvme_path", "free_margin_bytes", "host_buffer", "open_io", "submit_io",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,29 @@ def host_buffer(nbytes: int, *, mmap_from: int = HOST_BUFFER_MMAP_BYTES) -> torc
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
+def submit_io(
+    executor: ThreadPoolExecutor, fn: Callable[..., Any], path: Path, t: torch.Tensor, *args: Any,
+    after: Sequence[Future] = (),
+) -> Future:  # fmt: skip
+    """``executor.submit(fn, path, t, *args)``, but the tensor is handed over in a box ``fn``'s call empties, and,
+    with ``after``, only once those futures are done (their errors raised first).
+
+    The box: an executor's work item keeps its arguments until *after* it has completed the future, so a caller woken
+    by the result could still see the tensor's storage viewed by the worker, and take a buffer a write-back has
+    finished with for one something else still views (the pool refills only buffers nothing else views:
+    ``host_buffers.sole_owner``). ``after``: a read into a buffer that a write-back still reads from, or from a file
+    still being written, waits on the I/O thread instead of the training thread; the writer never waits for a
+    reader, so the two threads cannot deadlock."""
+    box, futures = [t], tuple(after)
+
+    def run() -> Any:
+        for f in futures:
+            f.result()
+        return fn(path, box.pop(), *args)
+
+    return executor.submit(run)
+
+
 def _as_bytes(t: torch.Tensor) -> memoryview:
     """A writable/readable byte view of a contiguous CPU tensor's memory (any dtype, bf16 included); the caller keeps
     ``t`` alive while the view is used. Through ctypes, not ``Tensor.numpy()``: exporting a storage to numpy marks it
@@ -181,18 +207,20 @@ class ThreadPoolIO:
         """Write ``t``'s bytes to ``path`` asynchronously: the whole file, or (``offset``) in place at that byte of
         an existing file; the future holds ``t`` until done."""
         self.bytes_written += t.numel() * t.element_size()
-        return self._writer.submit(self._write, path, t, self.fsync, offset)
+        return submit_io(self._writer, self._write, path, t, self.fsync, offset)
 
     def read(self, path: Path, nbytes: int) -> Future:
         """Read ``path`` into a fresh uint8 tensor of ``nbytes`` asynchronously; the future's result is it."""
         self.bytes_read += nbytes
-        return self._reader.submit(self._read, path, host_buffer(nbytes))
+        return submit_io(self._reader, self._read, path, host_buffer(nbytes))
 
-    def read_into(self, path: Path, t: torch.Tensor, offset: int = 0) -> Future:
+    def read_into(self, path: Path, t: torch.Tensor, offset: int = 0, *, after: Sequence[Future] = ()) -> Future:
         """Read ``path`` (from byte ``offset``) into the existing contiguous CPU tensor ``t`` (its bytes)
-        asynchronously; the result is ``t``. The caller must not touch ``t`` until the future is done."""
+        asynchronously; the result is ``t``. The caller must not touch ``t`` until the future is done. ``after``:
+        futures (write-backs, e.g. of ``t``'s previous bytes or of ``path``) the read waits for on the reader thread
+        first, without blocking the caller; a failed one fails the read with its error."""
         self.bytes_read += t.numel() * t.element_size()
-        return self._reader.submit(self._read, path, t, offset)
+        return submit_io(self._reader, self._read, path, t, offset, after=after)
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)

@@ -8,19 +8,21 @@ optimizer's parameters are this rank's row shards (or owned whole parameters) of
 :class:`~lightning_v17.engine.zero.ZeroEngine`; at stage 3 they are FSDP2's DTensor shards, which the library
 optimizers step on their local tensors (:mod:`lightning_v17.optim.local_shards`).
 
-The step, for chunks of the optimizer's parameters (in param-group order, ``chunk_mb`` of this rank's fp32 parameter
-elements each):
+The step, for chunks of the optimizer's parameters (in param-group order, up to ``chunk_mb`` of this rank's fp32
+parameter elements each, a larger parameter alone):
 
 1. while the closure runs forward and backward (with parameters on nvme: backward), the state of the first
    ``buffer_count - 1`` nvme chunks is read ahead asynchronously;
 2. for chunk k: wait for its read, install its state in ``optimizer.state``, issue the read of chunk
-   k + buffer_count - 1, run the optimizer's own ``step`` with its param groups narrowed to chunk k;
-3. pop chunk k's state and write it back asynchronously (at most ``buffer_count - 1`` writes in flight).
+   k + buffer_count - 1 (into the buffer of the oldest write-back once that is written: the I/O thread waits for
+   it, not the step), run the optimizer's own ``step`` with its param groups narrowed to chunk k;
+3. pop chunk k's state and write it back asynchronously.
 
-So an nvme rank holds the state of a few chunks (stepping, read ahead, writing back), not of the model. Every
-optimizer of :mod:`lightning_v17.optim` (AdamW, CPU-Adam, Adafactor, Lion, Adam8bit, Lion8bit) gives the same result
-stepped chunk by chunk as all at once, bit for bit; Adafactor's cross-shard reductions at ZeRO-3 still run per
-parameter in parameter order, so every rank issues the same collectives in the same order whatever its chunks.
+So an nvme rank holds the state of ``buffer_count`` chunks at most (stepping, read ahead, being written back), not
+of the model. Every optimizer of :mod:`lightning_v17.optim` (AdamW, CPU-Adam, Adafactor, Lion, Adam8bit, Lion8bit)
+gives the same result stepped chunk by chunk as all at once, bit for bit; Adafactor's cross-shard reductions at
+ZeRO-3 still run per parameter in parameter order, so every rank issues the same collectives in the same order
+whatever its chunks.
 
 Tiers:
 
@@ -37,22 +39,28 @@ Tiers:
   stays one tier up (nvme -> host memory, cpu -> device memory, which is host memory on a CPU-only machine). The
   first chunks go to the tier, so they are the ones read ahead during backward.
 
-Buffers (DeepSpeed's swap buffers): the nvme chunks' state lives in at most ``2 * buffer_count - 1`` buffers of the
-largest chunk's size (one chunk stepping, ``buffer_count - 1`` read ahead, as many being written back), allocated
-through the I/O backend (page-locked by DeepSpeed's op, which reads and writes them directly; mappings for the
-thread pool) and recycled from chunk to chunk. Idle buffers are given back before forward, so that forward and
-backward, where a process's memory peaks, hold only the reads ahead and the last write-backs.
+Buffers (DeepSpeed's swap buffers): the nvme chunks' state lives in at most ``buffer_count`` buffers of the largest
+chunk's size (the bound ``OffloadPolicy.buffer_count`` states), allocated through the I/O backend (page-locked by
+DeepSpeed's op, which reads and writes them directly; mappings for the thread pool) and recycled from chunk to
+chunk: a chunk's read refills the buffer of a finished write-back, or waits on the reader thread for the oldest one
+in flight. Idle buffers are given back before forward, so that forward and backward, where a process's memory peaks,
+hold only the reads ahead and the last write-backs. A read waits for a write-back rather than take a buffer of its
+own: that would be ``2 * buffer_count - 1`` buffers (a 100M-parameter MLP at ZeRO-3 on 2 ranks: 16 MiB more peak
+RSS per rank, an 8 MiB weight shard's Adam moments); ``bench/offload.py`` measures what the wait costs in speed.
 
 Memory really drops on the nvme tier only if the state leaves the process, and glibc's heap is where it could stay
-(``OffloadPolicy.host_memory``):
+(``OffloadPolicy.host_memory``). A threshold the user fixed in the environment (``MALLOC_MMAP_THRESHOLD_``,
+``GLIBC_TUNABLES``) is never raised (``host_buffers.user_mmap_threshold``): set back to 32 MiB after the first step,
+it would keep 90 MiB of freed activations in a 100M-parameter MLP's heap, a quarter of the offloaded Adam moments.
 
 * ``"recycle"`` (the default): the tier's own allocations (the first step, where the optimizer's state is packed
-  into the tier's buffers, and checkpoint loads) run inside :func:`own_mappings`; otherwise glibc's threshold stays
-  at 32 MiB, its dynamic maximum, so forward and the step recycle their allocations in the heap. At ZeRO-3 the
-  sharded gradients (``zero_grad`` frees them) are their own mappings (``collectives.map_gradient_buffers``), and
-  backward (``ZeroBackend.backward_context``) and FSDP2's all-gathers (``collectives.map_all_gathers``) run inside
-  :func:`own_mappings`: their large buffers fill free heap chunks or get mappings but never grow the heap. 103M GPT:
-  a peak RSS drop of 1.36-1.50 of the planned bytes against no offload (0.57-0.72 with none of these mapped).
+  into the tier's buffers, and checkpoint loads) run inside :func:`own_mappings`; otherwise glibc's threshold is
+  the user's, else 32 MiB, its dynamic maximum, so forward and the step recycle their allocations in the heap. At
+  ZeRO-3 the sharded gradients (``zero_grad`` frees them) are their own mappings
+  (``collectives.map_gradient_buffers``), and backward (``ZeroBackend.backward_context``) and FSDP2's all-gathers
+  (``collectives.map_all_gathers``) run inside :func:`own_mappings`: their large buffers fill free heap chunks or get
+  mappings but never grow the heap. 103M GPT: a peak RSS drop of 1.36-1.50 of the planned bytes against no offload
+  (0.57-0.72 with none of these mapped).
 * ``"return"``: glibc's mmap threshold is fixed at 1 MiB for the whole process (``mallopt``): every host allocation
   of 1 MiB or more is its own mapping, unmapped when freed (103M GPT: a drop of 1.4 of the planned bytes). On a
   CPU-only machine the activations are then mapped and faulted in anew each step (3.7M GPT: 117,000 faults a step).
@@ -94,6 +102,7 @@ from lightning_v17.engine.host_buffers import (
     PooledRead,
     fix_mmap_threshold,
     own_mappings,
+    sole_owner,
     trim_heap,
 )
 
@@ -162,14 +171,13 @@ class OptimizerOffload:
         nvme_path: the NVMe directory (nvme tier).
         ratio: fraction of the state (bytes, chunk granularity) on ``tier``; the rest one tier up.
         rank: this process's global rank (names its nvme folder).
-        chunk_mb: MiB of this rank's fp32 parameter elements per chunk (its state is ~2x that for AdamW).
-        buffer_count: chunk buffers of the nvme reader: the step reads ``buffer_count - 1`` chunks ahead (>= 2).
+        chunk_mb: ``OffloadPolicy.chunk_mb``.
+        buffer_count: ``OffloadPolicy.buffer_count`` (the bound on the tier's buffers).
         params: the :class:`~lightning_v17.engine.param_offload.ParamOffload` of parameters on the nvme tier (then
             ``tier`` may be ``Tier.NONE``): each chunk's parameter shards are read ahead like its state, and written
             back after its step.
-        host_memory: ``OffloadPolicy.host_memory`` with an nvme tier (None: "recycle"):
-            "return" fixes glibc's mmap threshold at 1 MiB for the process; "recycle" only inside
-            :func:`own_mappings` (module docstring; backward's is the strategy's).
+        host_memory: ``OffloadPolicy.host_memory`` with an nvme tier (None: "recycle"; backward's scope is the
+            strategy's).
     """
 
     def __init__(
@@ -218,10 +226,14 @@ class OptimizerOffload:
         self._own_step = optimizer.__dict__.get("step")  # an instance-level step to put back at close (else none)
         self._reads: dict[int, Any] = {}
         self._writes: list[Future] = []
-        #: chunk -> (its last write, the buffer being written), until a read of the chunk takes it
+        #: chunk -> (its last write, the pool buffer being written), until a read takes the buffer (the same chunk's
+        #: read: no read needed; another chunk's: refilled once written)
         self._written: dict[int, tuple[Future, torch.Tensor]] = {}
-        #: the nvme chunks' buffers (module docstring): one stepping, buffer_count - 1 read ahead, as many written
-        self.pool = BufferPool(2 * self.depth + 1)
+        #: chunk -> its last write-back while in flight (a read of its file waits for it)
+        self._writing: dict[int, Future] = {}
+        #: the nvme chunks' buffers (module docstring): every chunk stepping, read ahead or being written back
+        self.pool = BufferPool(buffer_count)
+        self._buf_bytes = 0  # the largest chunk's bytes on the tier: the size of every pool buffer once known
         self._repacked = False
         self._stepped = False  # the first step creates the state on the heap: it runs inside own_mappings
         self._materialized = False
@@ -233,17 +245,21 @@ class OptimizerOffload:
 
     # -------------------------------------------------------------- layout
     def _make_chunks(self, chunk_bytes: float, ratio: float) -> list[_Chunk]:
-        """Chunks of consecutive parameters by this rank's fp32 size; the first ones (by bytes, up to ``ratio`` of the
-        total) on the tier."""
+        """Chunks of consecutive parameters by this rank's fp32 size, each at most ``max(chunk_bytes, the largest
+        parameter)``; the first ones (by bytes, up to ``ratio`` of the total) on the tier."""
+        sizes_b = [_local(p).numel() * 4 for p in self.params]
+        # a chunk is closed before a parameter would take it past the limit, so that no chunk (and no buffer of the
+        # pool, sized by the largest chunk) exceeds max(chunk_mb, the largest parameter): the tier's memory bound
+        limit = max([chunk_bytes, *sizes_b])
         chunks: list[list[int]] = []
         cur: list[int] = []
         cur_bytes = 0
-        for i, p in enumerate(self.params):
-            cur.append(i)
-            cur_bytes += _local(p).numel() * 4
-            if cur_bytes >= chunk_bytes:
+        for i, n in enumerate(sizes_b):
+            if cur and cur_bytes + n > limit:
                 chunks.append(cur)
                 cur, cur_bytes = [], 0
+            cur.append(i)
+            cur_bytes += n
         if cur:
             chunks.append(cur)
         sizes = [sum(_local(self.params[i]).numel() for i in c) for c in chunks]
@@ -297,19 +313,28 @@ class OptimizerOffload:
                 off += -(-n // _ALIGN) * _ALIGN
         off = -(-off // _PAGE) * _PAGE  # whole pages: O_DIRECT writes and reads it as is, no padded copy
         c.entries, c.resident, c.order, c.nbytes, c.spilled = entries, resident, order, off, True
+        self._buf_bytes = max(self._buf_bytes, off)
         buf, c.buf = c.buf, None
         if buf is None or buf.numel() < off or any(t.data_ptr() != buf.data_ptr() + o for o, t in tensors):
             # first step (the optimizer made its own tensors) or state replaced: pack it into one buffer
-            buf = self.pool.take(off, self.io, self._wait_for_one_write)
+            buf = self.pool.take_or_wait(off, self.io, self._wait_for_one_write, size=self._buf_bytes)
             self._repacked = True  # the optimizer's own state tensors are freed now: trim the heap after the step
             for o, t in tensors:
                 buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
         # else: every state tensor is still the view of the buffer it was read into, updated in place: write it as is
         del tensors, popped
-        self._bound_writes(self.depth)  # as many write-backs in flight as reads ahead (buffer_count - 1)
+        st = v = local = t = None  # the loops' last state tensor (a view of buf) must not count as a viewer below
+        self._reap()
+        # a state tensor a caller kept from a state-dict read still views the buffer: never refill it (nothing else
+        # can take a new view now: the state is out of optimizer.state)
+        refill = id(buf) in self.pool.owned and sole_owner(buf)
+        if not refill:
+            self.pool.retire(buf)
         fut = self.io.write(self._path(k), buf[:off])  # type: ignore[union-attr]
         self._writes.append(fut)
-        self._written[k] = (fut, buf)
+        self._writing[k] = fut
+        if refill:
+            self._written[k] = (fut, buf)
 
     def _read(self, k: int) -> None:
         """Issue the asynchronous read of chunk k (an nvme chunk that was spilled)."""
@@ -323,9 +348,27 @@ class OptimizerOffload:
                 # becomes views of it again, as a plain optimizer's state stays the same tensors step after step
                 self._reads[k] = AfterWrite(*pending)
             else:
-                buf = self.pool.take(c.nbytes, self.io, self._wait_for_one_write)
-                read = self.io.read_into(self._path(k), buf[: c.nbytes])  # type: ignore[union-attr]
+                buf, after = self._buffer_for_read(c.nbytes)
+                own = self._writing.get(k)  # its file is still being written (from a buffer another read took)
+                after = [f for f in (after, own) if f is not None]
+                read = self.io.read_into(self._path(k), buf[: c.nbytes], after=after)  # type: ignore[union-attr]
                 self._reads[k] = PooledRead(read, buf)
+
+    def _buffer_for_read(self, nbytes: int) -> tuple[torch.Tensor, Future | None]:
+        """A buffer for a chunk's read, and the write-back the read must wait for first (None: none). A free or new
+        pool buffer while fewer than ``buffer_count`` are in use; else the buffer of the oldest write-back in
+        flight, refilled once that write is done: the read waits for it on the I/O's reader thread, so the training
+        thread goes on stepping (ZeRO-Infinity's overlap of I/O with compute) and the tier never holds more than
+        ``buffer_count`` buffers; else (no write-back's buffer fits) wait for writes, and past them a buffer outside
+        the pool."""
+        buf = self.pool.take(nbytes, self.io, size=self._buf_bytes)
+        if buf is not None:
+            return buf, None
+        for j, (fut, b) in self._written.items():  # oldest first
+            if b.numel() >= nbytes:
+                del self._written[j]
+                return b, fut
+        return self.pool.take_or_wait(nbytes, self.io, self._wait_for_one_write, size=self._buf_bytes), None
 
     def _install(self, k: int) -> None:
         """Wait for chunk k's read and put its state back into ``optimizer.state`` (views of the read buffer)."""
@@ -349,17 +392,23 @@ class OptimizerOffload:
         c.spilled, c.buf = False, buf
 
     def _bound_writes(self, limit: int) -> None:
-        """Wait until at most ``limit`` writes are in flight (bounds the memory of chunks being written back)."""
+        """Wait until at most ``limit`` writes are in flight."""
         t0 = time.perf_counter()
         while len(self._writes) > limit:
             self._writes.pop(0).result()  # re-raises a failed write
+        self.io_wait_s += time.perf_counter() - t0
+        self._reap()
+
+    def _reap(self) -> None:
+        """Forget finished writes (re-raising a failed one) and give their buffers back to the pool."""
         while self._writes and self._writes[0].done():
             self._writes.pop(0).result()
-        self.io_wait_s += time.perf_counter() - t0
         self._prune()
 
     def _prune(self) -> None:
         """Forget finished writes and give their buffers back to the pool."""
+        for k in [k for k, fut in self._writing.items() if fut.done()]:
+            del self._writing[k]
         for k in [k for k, (fut, _) in self._written.items() if fut.done()]:
             self.pool.give_back(self._written.pop(k)[1], self.io)
 
@@ -514,6 +563,7 @@ class OptimizerOffload:
                     log.debug("offload close: a pending read failed (%s)", err)
             self._reads.clear()
             self._written.clear()
+            self._writing.clear()
             for c in self.chunks:  # installed state keeps its buffer (the optimizer still holds it)
                 c.buf = None
             self.pool.close(self.io)

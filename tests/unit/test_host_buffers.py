@@ -3,12 +3,13 @@ changes the whole process, so the test process itself is left alone."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from lightning_v17.engine.host_buffers import _libc
+from lightning_v17.engine.host_buffers import _env_threshold, _libc
 
 _MALLINFO = r"""
 import torch
@@ -17,9 +18,11 @@ from tests._glibc import mapped_by
 """
 
 
-def _run(body: str) -> list[int]:
+def _run(body: str, env: dict[str, str] | None = None) -> list[int]:
+    """Run ``body`` in a fresh interpreter (``env`` on top of this one's environment, read by glibc at its start)."""
     cmd = [sys.executable, "-c", _MALLINFO + body]
-    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    environ = {**os.environ, **(env or {})}
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=environ)
     assert out.returncode == 0, out.stderr[-2000:]
     return [int(x) for x in out.stdout.strip().splitlines()[-1].split()]  # the last line: DeepSpeed logs to stdout
 
@@ -75,6 +78,39 @@ def test_a_process_wide_threshold_is_kept() -> None:
     _glibc_skip()
     (after,) = _run("hb.fix_mmap_threshold()\nwith hb.own_mappings():\n    pass\nprint(mapped_by(4 * 2**20))\n")
     assert after >= 4 * 2**20
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}],
+    ids=["MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"],
+)
+def test_a_threshold_the_user_fixed_in_the_environment_is_kept(env: dict[str, str]) -> None:
+    """A user who set a 64 KiB threshold (so that freed tensors leave the process) keeps it: after an own_mappings
+    scope and after the parameter tier's fix_mmap_threshold (1 MiB) a 256 KiB tensor is still its own mapping (with
+    the threshold set back to 32 MiB, or raised to 1 MiB, it would come from the heap and stay there when freed)."""
+    _glibc_skip()
+    body = (
+        "before = mapped_by(256 * 2**10)\n"
+        "with hb.own_mappings():\n    pass\n"
+        "after_scope = mapped_by(256 * 2**10)\n"
+        "hb.fix_mmap_threshold()\n"
+        "print(before, after_scope, mapped_by(256 * 2**10), hb.user_mmap_threshold())\n"
+    )
+    before, after_scope, after_fix, seen = _run(body, env)
+    assert seen == 65536, "the threshold in the environment was not read"
+    assert before >= 256 * 2**10, "the environment's threshold did not reach glibc (test set-up)"
+    assert after_scope >= 256 * 2**10, "own_mappings replaced the user's 64 KiB threshold"
+    assert after_fix >= 256 * 2**10, "fix_mmap_threshold raised the user's 64 KiB threshold"
+
+
+def test_the_environment_threshold_is_read_from_glibc_tunables_or_its_alias() -> None:
+    """GLIBC_TUNABLES's mmap_threshold (any position, any base), else the MALLOC_MMAP_THRESHOLD_ alias; else None."""
+    tunables = "glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=0x10000"
+    assert _env_threshold({"GLIBC_TUNABLES": tunables, "MALLOC_MMAP_THRESHOLD_": "4096"}) == 65536
+    assert _env_threshold({"MALLOC_MMAP_THRESHOLD_": "131072"}) == 131072
+    assert _env_threshold({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}) is None
+    assert _env_threshold({}) is None
 
 
 @pytest.mark.parametrize("host_memory,mapped", [("return", True), ("recycle", False), (None, False)])

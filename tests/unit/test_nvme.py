@@ -28,6 +28,51 @@ def test_threadpool_io_round_trip(tmp_path, dtype) -> None:
     io.close()
 
 
+def test_a_read_after_writes_waits_for_them_on_the_reader_thread(tmp_path) -> None:
+    """``read_into(after=...)`` returns at once and reads only once the given write-backs are done (the buffer it
+    refills is theirs); a failed one fails the read with its own error."""
+    from concurrent.futures import Future
+
+    io = ThreadPoolIO()
+    src = torch.arange(1000, dtype=torch.float32)
+    io.write(tmp_path / "a.bin", src).result()
+    pending, dst = Future(), torch.zeros(1000)
+    read = io.read_into(tmp_path / "a.bin", dst, after=[pending])
+    assert not read.done() and not dst.any(), "the read did not wait for the write-back it was given"
+    pending.set_result(4000)
+    assert torch.equal(read.result(timeout=30), src)
+    failed = Future()
+    failed.set_exception(OSError("disk full"))
+    with pytest.raises(OSError, match="disk full"):
+        io.read_into(tmp_path / "a.bin", dst, after=[failed]).result(timeout=30)
+    io.close()
+
+
+def test_a_finished_io_leaves_no_view_of_its_tensor_behind() -> None:
+    """An executor's work item may keep its arguments after it completed its future (a thread pool's worker drops
+    them only after setting the result): ``submit_io`` hands the tensor over in a box the call empties, so once the
+    future is done nothing but the caller views the buffer, and the pool may refill it (``sole_owner``). Checked with
+    an executor that keeps every work item forever, the worst case of that race."""
+    from concurrent.futures import Future
+
+    from lightning_v17.engine.host_buffers import sole_owner
+    from lightning_v17.engine.nvme import host_buffer, submit_io
+
+    class KeepsWorkItems:
+        def __init__(self) -> None:
+            self.kept: list = []
+
+        def submit(self, fn, *args):
+            self.kept.append((fn, args))
+            fut = Future()
+            fut.set_result(fn(*args))
+            return fut
+
+    ex, buf = KeepsWorkItems(), host_buffer(2**20)
+    assert submit_io(ex, lambda path, t: t.numel(), None, buf[:4096]).result() == 4096
+    assert ex.kept and sole_owner(buf), "the finished I/O's work item still views the buffer"
+
+
 def test_backend_is_named_and_libaio_used_where_it_builds(tmp_path) -> None:
     io, reason = open_io(tmp_path)
     try:

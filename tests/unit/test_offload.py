@@ -242,10 +242,10 @@ def test_write_back_overlaps_the_next_step(tmp_path) -> None:
                     reads.append(path.name)
                 return real.read(path, nbytes)
 
-            def read_into(self, path, t):
+            def read_into(self, path, t, **kw):  # kw: the write-backs the read waits for first
                 with lock:
                     reads.append(path.name)
-                return real.read_into(path, t)
+                return real.read_into(path, t, **kw)
 
             def close(self):
                 pool.shutdown(wait=True)
@@ -261,7 +261,7 @@ def test_write_back_overlaps_the_next_step(tmp_path) -> None:
 
     engine.AfterWrite.__init__ = spy
     try:
-        kw = {"tier": "nvme", "nvme_path": str(tmp_path), "chunk_mb": n_bytes / 2 / 2**20 * 0.9}
+        kw = {"tier": "nvme", "nvme_path": str(tmp_path), "chunk_mb": n_bytes * 0.6 / 2**20}  # 2 chunks
         model, opt, losses = _train("adamw", kw, setup=slow_writes)
     finally:
         engine.AfterWrite.__init__ = orig
@@ -277,14 +277,16 @@ def test_write_back_overlaps_the_next_step(tmp_path) -> None:
 
 
 def test_chunk_buffers_come_from_a_bounded_pool_refilled_only_when_nothing_else_views_them(tmp_path) -> None:
-    """The nvme chunks live in at most ``2 * buffer_count - 1`` buffers (DeepSpeed's swap buffers): over 5 steps of
-    ~7 chunks with 3-chunk read-ahead every read goes into one of them; forward and backward hold no idle buffer (they
-    are given back once the reads ahead are issued), so each step allocates a few again, at most ``buffer_count`` of
-    them, and close frees them all; the steps equal the plain optimizer bit for bit. A state tensor a caller kept from a state-dict read still views its buffer: that buffer is never refilled
+    """The nvme chunks live in at most ``buffer_count`` buffers (DeepSpeed's swap buffers; every chunk stepping, read
+    ahead or being written back): over 5 steps of ~7 chunks with 3-chunk read-ahead every read goes into one of them
+    (a read ahead refills the buffer of a write-back once it is written); forward and backward hold no idle buffer
+    (they are given back once the reads ahead are issued), so each step allocates at most ``buffer_count - depth``
+    again, and close frees them all; the steps equal the plain optimizer bit for bit. A state tensor a caller kept from a state-dict read still views its buffer: that buffer is never refilled
     with another chunk's bytes (the kept tensor keeps its values through 3 more steps), and the steps stay exact."""
     ref_model, _, ref_losses = _train("adamw", None)
     into_pool: list[bool] = []
     allocations: list[int] = []
+    owned: list[int] = []
     kept: list[torch.Tensor] = []
     idle: list[int] = []
 
@@ -295,15 +297,16 @@ def test_chunk_buffers_come_from_a_bounded_pool_refilled_only_when_nothing_else_
         off = offload_of(opt)
         real = off.io.read_into
 
-        def read_into(path, t):
+        def read_into(path, t, **kw):
             into_pool.append(any(b.data_ptr() == t.data_ptr() for b in off.pool.owned.values()))
-            return real(path, t)
+            return real(path, t, **kw)
 
         off.io.read_into = read_into
 
     def count(opt) -> None:
         allocations.append(offload_of(opt).pool.allocations)
-        assert len(offload_of(opt).pool.owned) <= offload_of(opt).pool.cap
+        owned.append(len(offload_of(opt).pool.owned))
+        assert owned[-1] <= offload_of(opt).pool.cap
 
     def keep(opt) -> None:
         if not kept:  # after step 1: a caller keeps a state tensor of the first chunk
@@ -314,11 +317,13 @@ def test_chunk_buffers_come_from_a_bounded_pool_refilled_only_when_nothing_else_
     kw = {"tier": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4}
     runs = [_train("adamw", kw, setup=watch_reads, probe=count, in_closure=in_closure), _train("adamw", kw, probe=keep)]
     off = offload_of(runs[0][1])
-    assert len(off.chunks) >= 6 and off.pool.cap == 7
+    assert len(off.chunks) >= 6 and off.pool.cap == 4
     assert into_pool and all(into_pool), f"{into_pool.count(False)} of {len(into_pool)} reads outside the pool"
     per_step = [b - a for a, b in itertools.pairwise(allocations)]
-    # (how many are still being written when forward starts depends on the I/O's timing: not a constant)
-    assert max(per_step) <= off.pool.cap - off.depth, f"allocated: {allocations}"
+    # once a step ended with the pool full, the next allocates at most cap - depth (the reads ahead hold the rest);
+    # how many are still being written when forward starts depends on the I/O's timing: not a constant
+    after_full = [n for n, full in zip(per_step, owned) if full == off.pool.cap]
+    assert all(n <= off.pool.cap - off.depth for n in after_full), f"allocated: {allocations}, owned: {owned}"
     assert idle and not any(idle), f"idle pool buffers held through forward/backward: {idle}"
     assert torch.equal(kept[0], kept[1]), "a buffer a kept state tensor views was refilled with other bytes"
     for model, opt, losses in runs:
