@@ -98,7 +98,7 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
     import torch
     from lightning_v17.strategies import V17Strategy
 
-    from lightning_v17.config import OffloadPolicy
+    from lightning_v17.config import OffloadPolicy, ZeroPolicy
     from lightning_v17.engine.offload import offload_of, planned_state_bytes
     from lightning_v17.optim import AdamW
 
@@ -114,7 +114,7 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
             super().__init__()
             self.model = None
 
-        def configure_model(self) -> None:  # meta device under ZeRO-3: only the shards are ever allocated
+        def configure_model(self) -> None:  # meta device (meta_init=True): only the shards are ever allocated
             if self.model is None:
                 self.model = C.build_gpt(shape)
 
@@ -177,16 +177,15 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
 
         fix_mmap_threshold()
     elif arm.startswith("nvme_params"):
-        offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, chunk_mb=args.chunk_mb,
-                                buffer_count=args.buffer_count,
+        offload = OffloadPolicy(optimizer="nvme", params="nvme", nvme_path=args.nvme_path, **_tier_options(args),
                                 host_memory="return" if arm.endswith("_return") else None)  # fmt: skip
     elif arm != "none":
         tier = arm.removesuffix("_return")
         offload = OffloadPolicy(optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None,
-                                chunk_mb=args.chunk_mb, buffer_count=args.buffer_count,
+                                **_tier_options(args),
                                 host_memory="return" if arm.endswith("_return") else None)  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=V17Strategy(zero_stage=3, offload=offload),
+        accelerator="cpu", devices=world, strategy=V17Strategy(zero=ZeroPolicy(stage=3, meta_init=True), offload=offload),
         precision="bf16-mixed" if "_bf16" in arm else "32-true",
         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -203,6 +202,11 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
         io_wait_share=info["io_wait_s"] / info["opt_step_s"] if info["opt_step_s"] else None,
         left_in_nvme_path_after_fit=left, **info,
     )  # fmt: skip
+
+
+def _tier_options(args: argparse.Namespace) -> dict:
+    """``chunk_mb`` / ``buffer_count`` given on the command line; the policy's defaults otherwise."""
+    return {k: v for k, v in (("chunk_mb", args.chunk_mb), ("buffer_count", args.buffer_count)) if v is not None}
 
 
 def _timed(fn, busy: dict):
@@ -281,8 +285,9 @@ def _deepspeed_worker(args: argparse.Namespace, arm: str) -> None:
     if arm == "ds_cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     else:
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
-                                     "buffer_count": args.buffer_count}  # fmt: skip
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False}
+        if args.buffer_count is not None:  # else DeepSpeed's own default (4)
+            zero["offload_optimizer"]["buffer_count"] = args.buffer_count
     if arm == "ds_nvme_params_bf16":
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": False, "buffer_count": 5,
                                  "buffer_size": int(1e8), "max_in_cpu": 0}  # fmt: skip
@@ -333,10 +338,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=1, help="rounds in rotated order; medians reported (default 1)")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
     ap.add_argument("--shape", default=json.dumps(DEFAULT_SHAPE), help="GPTShape as JSON (default: 103M params)")
-    ap.add_argument("--chunk-mb", type=float, default=4.0, help="OffloadPolicy.chunk_mb (default 4)")
-    ap.add_argument("--buffer-count", type=int, default=4,
-                    help="nvme read-ahead buffers, the same for both: OffloadPolicy.buffer_count and DeepSpeed's "
-                    "offload_optimizer.buffer_count (default 4, DeepSpeed's default)")  # fmt: skip
+    ap.add_argument("--chunk-mb", type=float, default=None, help="OffloadPolicy.chunk_mb (default: the policy's)")
+    ap.add_argument("--buffer-count", type=int, default=None,
+                    help="nvme chunk buffers, the same for both: OffloadPolicy.buffer_count and DeepSpeed's "
+                    "offload_optimizer.buffer_count (default: each its own, V17 2, DeepSpeed 4)")  # fmt: skip
     ap.add_argument("--nvme-path", default=None, help="directory of the nvme tier (default: a fresh temp dir)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run before both ranks are killed")
     ap.add_argument(
@@ -361,7 +366,9 @@ def main(argv: list[str] | None = None) -> dict:
     nvme_bw = _drive_bandwidth(nvme_path) if any(a.startswith("nvme") for a in arms) else None
     shape = C.GPTShape(**json.loads(args.shape))
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--shape", json.dumps(C.asdict(shape)),
-              "--chunk-mb", str(args.chunk_mb), "--nvme-path", nvme_path, "--buffer-count", str(args.buffer_count),
+              "--nvme-path", nvme_path,
+              *(["--chunk-mb", str(args.chunk_mb)] if args.chunk_mb is not None else []),
+              *(["--buffer-count", str(args.buffer_count)] if args.buffer_count is not None else []),
               "--optimizer", args.optimizer, *(["--nvme-bw", str(nvme_bw)] if nvme_bw else [])]  # fmt: skip
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     t_start = time.monotonic()
@@ -410,6 +417,7 @@ def main(argv: list[str] | None = None) -> dict:
         "world_size": 2, "zero_stage": 3,
         "optimizer": f"lightning_v17.optim.AdamW(lr={LR}, fused)" if args.optimizer == "adamw"
         else f"lightning_v17.optim.CPUAdam(lr={LR}, DeepSpeed's op)",
+        # None: each side's default (OffloadPolicy's: chunk_mb 4, buffer_count 2; DeepSpeed's buffer_count 4)
         "chunk_mb": args.chunk_mb, "buffer_count": args.buffer_count, "steps": args.steps, "warmup": args.warmup,
         "rounds": args.rounds,
         "nvme_path": nvme_path, "load_average": os.getloadavg(), "v17_optimizer": args.optimizer,

@@ -139,9 +139,12 @@ def _lightning_worker(args: argparse.Namespace, which: str) -> None:
     if which.startswith("v17:"):
         from lightning_v17.strategies import V17Strategy
 
+        from lightning_v17.config import ZeroPolicy
+
         parts = which.split(":")
-        strategy = V17Strategy(zero_stage=int(parts[1]), overlap_comm=parts[-1] != "sync",
-                               reshard_after_forward=False if parts[-1] == "keep" else None)  # fmt: skip
+        zero = ZeroPolicy(stage=int(parts[1]), overlap_comm=parts[-1] != "sync",
+                          reshard_after_forward=False if parts[-1] == "keep" else None)  # fmt: skip
+        strategy = V17Strategy(zero=zero)
     elif which == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

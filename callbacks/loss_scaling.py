@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_v17.config import LossScalePolicy, V17ConfigError
+from lightning_v17.config import LossScalePolicy, Precision, V17ConfigError
 from lightning_v17.engine.trackers.loss_scale import LossScaleError, LossScaleTracker, ShardedLossScaler
 
 __all__ = ["DynamicLossScaling", "LossScaleError"]
@@ -95,7 +95,8 @@ class DynamicLossScaling(Callback):
             return
         plugin = trainer.precision_plugin
         precision = str(getattr(plugin, "precision", ""))
-        if precision.startswith("bf16") or precision in ("32-true", "32", "64-true", "64"):
+        known = Precision.lookup(precision)  # None for Lightning's 64-true and 16-true, which have no member here
+        if (known is not None and not known.needs_scaler) or precision in ("64-true", "64"):
             rank_zero_warn(
                 f"DynamicLossScaling does nothing with precision={precision!r}: only fp16 needs loss scaling "
                 "(bf16 has fp32's exponent range, seed §12.1)."
@@ -106,7 +107,7 @@ class DynamicLossScaling(Callback):
             raise V17ConfigError(
                 "DynamicLossScaling needs fp32 master weights: use precision='16-mixed' instead of '16-true'"
             )
-        if precision != "16-mixed" or not hasattr(plugin, "scaler"):
+        if known is None or not hasattr(plugin, "scaler"):
             raise V17ConfigError(
                 f"DynamicLossScaling supports precision='16-mixed' with a plugin that owns a GradScaler; got "
                 f"precision={precision!r} with {type(plugin).__name__}"

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_v17.config import OptimizerKind, Precision, V17ConfigError
+from lightning_v17.config import OptimizerKind, Precision, V17ConfigError, ZeroPolicy
 from lightning_v17.engine.trackers.memory import (
     MeasuredBytes,
     bar_chart,
@@ -25,34 +25,20 @@ __all__ = ["MemoryBuckets", "MemoryLayout"]
 
 @dataclass(frozen=True)
 class MemoryLayout:
-    """How the model state is partitioned, as the planner needs it."""
+    """How the model state is partitioned, as the planner needs it: what ZeRO shards, over how many ranks."""
 
-    zero_stage: int
+    zero: ZeroPolicy
     dp: int
     tp: int = 1
     pp: int = 1
 
 
 def _optimizer_kind(optimizer: Any) -> OptimizerKind | None:
-    """The planner's kind of ``optimizer``: what a :mod:`lightning_v17.optim` class declares (``v17_kind``), else a
-    guess from a foreign optimizer's class name (None when unknown)."""
-    from lightning_v17.optim.factory import optimizer_kind_of
+    """The planner's kind of ``optimizer``, as the optimizer library answers it
+    (:func:`lightning_v17.optim.factory.planner_kind_of`; None when unknown)."""
+    from lightning_v17.optim.factory import planner_kind_of
 
-    declared = optimizer_kind_of(optimizer)
-    if declared is not None:
-        return declared.planner_kind
-    name = type(optimizer).__name__.lower()
-    if name in ("adamw", "adam"):
-        return OptimizerKind.ADAMW
-    if "8bit" in name and "adam" in name:
-        return OptimizerKind.ADAM8BIT
-    if name == "adafactor":
-        return OptimizerKind.ADAFACTOR
-    if name == "lion":
-        return OptimizerKind.LION
-    if name == "sgd" and any(g.get("momentum", 0) for g in optimizer.param_groups):
-        return OptimizerKind.SGD
-    return None
+    return planner_kind_of(optimizer)
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
@@ -71,19 +57,19 @@ def layout_of(strategy: Any) -> MemoryLayout | None:
     world = int(getattr(strategy, "world_size", 1) or 1)
     parallel = getattr(strategy, "parallel", None)  # V17Strategy after setup: ask its ZeRO backend
     if parallel is not None:
-        spec, zero = strategy.mesh.spec, parallel.zero
+        spec = strategy.mesh.spec
         # Every stage partitions over the dp_shard axis only; HSDP's dp_replicate axis holds full replicas.
-        return MemoryLayout(zero_stage=zero.stage, dp=zero.shard_size, tp=int(spec.tp), pp=int(spec.pp))
+        return MemoryLayout(zero=strategy.policy.zero, dp=parallel.zero.shard_size, tp=int(spec.tp), pp=int(spec.pp))
     if isinstance(strategy, ModelParallelStrategy):
         dp = int(getattr(strategy, "_data_parallel_size", 0) or 0) or world
         tp = int(getattr(strategy, "_tensor_parallel_size", 1) or 1)
-        return MemoryLayout(zero_stage=3, dp=dp, tp=tp)
+        return MemoryLayout(zero=ZeroPolicy(stage=3), dp=dp, tp=tp)
     if isinstance(strategy, FSDPStrategy):
-        return MemoryLayout(zero_stage=3, dp=world)
+        return MemoryLayout(zero=ZeroPolicy(stage=3), dp=world)
     if isinstance(strategy, DDPStrategy):
-        return MemoryLayout(zero_stage=0, dp=world)
+        return MemoryLayout(zero=ZeroPolicy(stage=0), dp=world)
     if isinstance(strategy, SingleDeviceStrategy):
-        return MemoryLayout(zero_stage=0, dp=1)
+        return MemoryLayout(zero=ZeroPolicy(stage=0), dp=1)
     return None
 
 
@@ -99,8 +85,9 @@ class MemoryBuckets(Callback):
     Planned: ``lightning_v17.planner.memory.model_state_bytes_per_rank`` (ZeRO §3.1) with the model's parameter
     count (the global count; with PP the stage's own count), the strategy's ZeRO stage and dp/tp sizes (V17Strategy,
     or Lightning's DDP = stage 0, FSDP/ModelParallel = stage 3), bytes per element from the parameters' real dtype,
-    and K from ``optimizer_bytes_per_param(kind, precision)`` where the optimizer kind is recognized (Adam/AdamW,
-    Adam8bit, Adafactor, Lion, SGD with momentum). Every one can be overridden.
+    and K from ``optimizer_bytes_per_param(kind, precision)`` where the optimizer library knows the kind
+    (:func:`lightning_v17.optim.factory.planner_kind_of`: its own classes, torch's Adam/AdamW/Adafactor/SGD with
+    momentum, bitsandbytes' Adam/Lion/momentum in 32 or 8 bits). Every one can be overridden.
 
     Logged: ``memory/{param,grad,optimizer,act_ws}_bytes`` and ``memory/{param,grad,optimizer}_planned_bytes``.
     At the end of fit rank 0 prints the seed-style bar chart of measured vs planned; ``measured``, ``planned`` and
@@ -128,11 +115,9 @@ class MemoryBuckets(Callback):
     ) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise V17ConfigError(f"every_n_steps={every_n_steps!r} must be a positive integer")
-        if zero_stage is not None and zero_stage not in (0, 1, 2, 3):
-            raise V17ConfigError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
         self.every_n_steps = every_n_steps
         self.overrides = {
-            "zero_stage": zero_stage,
+            "zero": None if zero_stage is None else ZeroPolicy(stage=zero_stage),  # validates the stage
             "dp": dp,
             "param_bytes": param_bytes,
             "grad_bytes": grad_bytes,
@@ -152,12 +137,12 @@ class MemoryBuckets(Callback):
         from lightning_v17.planner.memory import model_state_bytes_per_rank, optimizer_bytes_per_param
 
         layout = layout_of(trainer.strategy)
-        stage = self.overrides["zero_stage"]
+        zero = self.overrides["zero"]
         dp = self.overrides["dp"]
-        if layout is None and (stage is None or dp is None):
+        if layout is None and (zero is None or dp is None):
             self.plan_note = f"no plan: unknown strategy {type(trainer.strategy).__name__}; pass zero_stage= and dp="
             return
-        stage = layout.zero_stage if stage is None else stage
+        zero = layout.zero if zero is None else zero
         dp = layout.dp if dp is None else dp
         tp = layout.tp if layout else 1
         pp = layout.pp if layout else 1
@@ -186,7 +171,7 @@ class MemoryBuckets(Callback):
             kbytes = optimizer_bytes_per_param(kinds.pop(), precision)
         self.planned = model_state_bytes_per_rank(
             num_params,
-            zero_stage=stage,
+            zero=zero,
             dp=dp,
             tp=tp,
             pp=1,
@@ -195,7 +180,7 @@ class MemoryBuckets(Callback):
             optimizer_bytes=kbytes,
         )
         self.plan_note = (
-            f"plan: model_state_bytes_per_rank({num_params}, zero_stage={stage}, dp={dp}, tp={tp}, pp={pp} (stage "
+            f"plan: model_state_bytes_per_rank({num_params}, zero_stage={zero.stage}, dp={dp}, tp={tp}, pp={pp} (stage "
             f"count), param_bytes={pbytes}, grad_bytes={gbytes}, optimizer_bytes={kbytes})"
         )
 

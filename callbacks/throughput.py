@@ -28,11 +28,6 @@ __all__ = ["CHECKPOINT_BLOCKING_ATTR", "ThroughputMonitor", "model_shape_of"]
 CHECKPOINT_BLOCKING_ATTR = "checkpoint_blocking_s"
 
 # torch.cuda.get_device_name() substrings -> planner.hardware.ACCELERATORS keys (first match wins).
-#: The matmul dtype each precision computes in (what the CPU peak is probed with).
-_COMPUTE_DTYPE = {
-    Precision.BF16_MIXED: torch.bfloat16, Precision.BF16_TRUE: torch.bfloat16,
-    Precision.FP16_MIXED: torch.float16, Precision.FP32: torch.float32,
-}  # fmt: skip
 _CUDA_NAMES = (
     ("H200", "h200-141gb"),
     ("H100", "h100-80gb"),
@@ -170,16 +165,13 @@ class ThroughputMonitor(Callback):
                     f"ThroughputMonitor: GPU {device_name!r} is not in the planner's accelerator table "
                     f"({', '.join(ACCELERATORS)}); pass peak_flops_per_s= or accelerator="
                 )
-        try:
-            precision = Precision.parse(getattr(trainer.precision_plugin, "precision", "32-true"))
-        except V17ConfigError:
-            precision = None
+        precision = Precision.lookup(getattr(trainer.precision_plugin, "precision", "32-true"))
         if name is not None:
             self.peak_source = f"table:{name}"
             return float(get_accelerator(name).peak_flops_for(precision or Precision.BF16_MIXED))
         # The peak of the dtype the matmuls really run in: bf16 units are ~4x the fp32 ones on this kind of CPU, so
         # an fp32 probe under bf16-mixed overstated MFU about 4x.
-        dtype = _COMPUTE_DTYPE.get(precision, torch.float32)
+        dtype = torch.float32 if precision is None else getattr(torch, precision.compute_dtype)
         self.peak_source = f"cpu-matmul-probe:{str(dtype).removeprefix('torch.')}"
         return probe_peak_flops_per_s(dtype)
 

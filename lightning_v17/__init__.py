@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "ZeroPolicy": "lightning_v17.config",
     "OffloadPolicy": "lightning_v17.config",
     "PipelinePolicy": "lightning_v17.config",
+    "TPPolicy": "lightning_v17.config",
+    "FP8Policy": "lightning_v17.config",
     "LossScalePolicy": "lightning_v17.config",
     "TrainingPolicy": "lightning_v17.config",
     "Recompute": "lightning_v17.config",

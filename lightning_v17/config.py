@@ -11,6 +11,7 @@ tensor dimension.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
@@ -20,8 +21,8 @@ from lightning_v17.fp8_policy import FP8Backend, FP8Policy, FP8Recipe
 
 __all__ = [  # the names other modules import from here (the FP8 policy and the errors live in their own files)
     "Axis", "FP8Backend", "FP8Policy", "FP8Recipe", "HostMemory", "LossScalePolicy", "MeshSpec", "OffloadPolicy", "OptimizerKind",
-    "PipelinePolicy", "Precision", "Recompute", "Schedule", "Tier", "TrainingPolicy", "V17ConfigError", "ZeroPolicy",
-    "check_tp_divides", "divisors", "parse_enum",
+    "PipelinePolicy", "Precision", "Recompute", "Schedule", "TPPolicy", "Tier", "TrainingPolicy", "V17ConfigError",
+    "ZeroPolicy", "check_tp_divides", "divisors", "parse_enum",
 ]  # fmt: skip
 
 
@@ -40,7 +41,10 @@ AXIS_ORDER: tuple[Axis, ...] = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.
 
 
 class Recompute(StrEnum):
-    """Activation checkpointing mode (seed §7; Korthikanti 2022 §4 for ``selective``)."""
+    """Activation checkpointing mode of the repeated blocks (``V17Strategy(activation_checkpointing=...)``): "none",
+    "selective" (save the matmul outputs, recompute the rest; Korthikanti 2022 §4) or "full" (keep each block's
+    input, recompute the block). A model without repeated blocks is refused unless ``ZeroPolicy.wrap_classes`` names
+    them."""
 
     NONE = "none"
     SELECTIVE = "selective"
@@ -122,6 +126,57 @@ class Precision(StrEnum):
         if key in aliases:
             return aliases[key]
         raise V17ConfigError(f"precision={value!r} is not supported; choose one of {sorted(set(aliases))}")
+
+    @classmethod
+    def lookup(cls, value: Any) -> Precision | None:
+        """:meth:`parse`, or None for a precision without a member here (Lightning's "64-true", "16-true",
+        "transformer-engine"): what a precision plugin reports is read with this."""
+        try:
+            return cls.parse(value)
+        except V17ConfigError:
+            return None
+
+    # What each precision stores and computes in, answered once (the planner's buckets, FSDP2's mixed-precision
+    # dtypes, the throughput monitor's peak). Source: ZeRO (Rajbhandari 2020) §3.1; Micikevicius 2018 §3.
+    @property
+    def param_bytes(self) -> float:
+        """Bytes of the working copy of one parameter: 4 in fp32, 2 in every 16-bit or fp8 mode (ZeRO §3.1, "2Ψ
+        bytes for fp16 parameters"; fp8 training keeps bf16 weights and casts them per matmul)."""
+        return 4.0 if self is Precision.FP32 else 2.0
+
+    @property
+    def grad_bytes(self) -> float:
+        """Bytes of one parameter's gradient: 4 in fp32, 2 otherwise (ZeRO §3.1)."""
+        return 4.0 if self is Precision.FP32 else 2.0
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of an activation element: 4 in fp32, 2 otherwise (16-bit activations, Korthikanti 2022 §4.1)."""
+        return 4 if self is Precision.FP32 else 2
+
+    @property
+    def compute_dtype(self) -> str:
+        """The ``torch`` dtype name the matmuls run in: "float32", "float16" for fp16, else "bfloat16" (fp8's
+        float8 GEMMs aside, it computes in bf16)."""
+        return {Precision.FP32: "float32", Precision.FP16_MIXED: "float16"}.get(self, "bfloat16")
+
+    @property
+    def has_master(self) -> bool:
+        """Whether an fp32 master copy of the parameters exists besides a 16-bit working copy (mixed precision,
+        Micikevicius 2018 §3.1): not in fp32 (the parameter is the master) nor in bf16-true (no master)."""
+        return self not in (Precision.FP32, Precision.BF16_TRUE)
+
+    @property
+    def state_bytes(self) -> float:
+        """Bytes per element of the optimizer's states: 4 (fp32), except bf16-true, where they take the parameter
+        dtype (2)."""
+        return 2.0 if self is Precision.BF16_TRUE else 4.0
+
+    @property
+    def needs_scaler(self) -> bool:
+        """fp16 needs dynamic loss scaling (its 5-bit exponent underflows small gradients, Micikevicius 2018 §3.2);
+        bf16 has fp32's exponent range and fp32 needs none."""
+        return self is Precision.FP16_MIXED
 
 
 class OptimizerKind(StrEnum):
@@ -256,9 +311,10 @@ class ZeroPolicy:
     Args:
         stage: 0 = DDP (nothing sharded), 1 = optimizer state, 2 = + gradients, 3 = + parameters (FSDP2).
         reshard_after_forward: stage 3 only. ``True`` frees gathered parameters after each unit's forward (ZeRO-3);
-            ``False`` keeps them until backward (more memory, one all-gather less). ``None`` means True.
-        wrap_classes: class names that become ZeRO-3 units. Empty means auto-detect: the children of every
-            ``nn.ModuleList`` / repeated-block ``nn.ModuleDict``.
+            ``False`` keeps them until backward (more memory, one all-gather less). ``None``: True, except the last
+            unit and the root group, which backward needs first.
+        wrap_classes: class names that become ZeRO-3 units and recompute blocks. Empty means auto-detect: the
+            children of every ``nn.ModuleList`` / repeated-block ``nn.ModuleDict``.
         bucket_mb: gradient bucket size for stage 0-2 reductions, in MiB (DeepSpeed's reduce_bucket_size).
         optimizer_partition: stages 1-2: how the optimizer is split over the dp_shard ranks. "rows": every
             parameter along dim 0 (balanced; exact for elementwise optimizers: SGD/Adam/AdamW/...). "params": whole
@@ -266,8 +322,12 @@ class ZeroPolicy:
             Muon, 8-bit). "auto": "rows" if every optimizer is an elementwise ``torch.optim`` class, else "params".
             Stage 3: "params" steps every optimizer's parameters whole on owner ranks, "rows" none, "auto" the
             optimizers that need whole parameters or cannot step DTensors (``engine/owner_step.py``).
-        overlap_comm: overlap gradient reductions and (stage 3) parameter all-gathers with compute where the
-            backend does not already (gloo on CPU: async work on gloo's threads). Bitwise the same results.
+        overlap_comm: overlap communication with compute where the backend does not already do it (gloo on CPU,
+            whose async work runs on its own threads): stages 0-2 start each bucket's reduction as soon as its
+            gradients are ready; stage 3 all-gathers the next ``prefetch_units`` units while the current one
+            computes and leaves the gradient reduce-scatters in flight until backward ends. Bitwise the same
+            results; False runs every collective synchronously (the A/B baseline). On CUDA, FSDP2's own stream
+            overlap is used either way.
         prefetch_units: stage 3 with ``overlap_comm``: how many ZeRO-3 units ahead to all-gather, in forward and in
             backward (DeepSpeed's ``stage3_prefetch_bucket_size``, counted in units); 0 turns prefetching off.
         meta_init: stage 3: build ``configure_model`` on the meta device, so that each rank only ever allocates its
@@ -317,6 +377,19 @@ class ZeroPolicy:
                 "meta_init"
             )
         object.__setattr__(self, "wrap_classes", tuple(self.wrap_classes))
+
+    # What the stage partitions over the dp_shard ranks (Rajbhandari 2020 §5.1-§5.3: P_os, P_os+g, P_os+g+p). Every
+    # caller asks these instead of comparing the stage; the applied stage (engine/zero_backend.py) answers the same.
+    @property
+    def shards_optimizer(self) -> bool:
+        """Stages 1-3: each rank keeps (and steps) only its partition of the optimizer state (P_os)."""
+        return self.stage >= 1
+
+    @property
+    def shards_grads(self) -> bool:
+        """Stages 2-3: gradients are reduce-scattered, so each rank keeps only its partition of them (P_g); they
+        cannot accumulate locally, so every micro-batch reduces its own."""
+        return self.stage >= 2
 
     @property
     def shards_params(self) -> bool:
@@ -444,6 +517,46 @@ class PipelinePolicy:
 
 
 @dataclass(frozen=True)
+class TPPolicy:
+    """Tensor parallelism, used when tp > 1 (Shoeybi 2019 Megatron-LM; Korthikanti 2022 for sequence parallelism).
+
+    The plan comes from ``plan``, else the LightningModule's ``configure_tensor_parallel(mesh)`` or ``tp_plan`` dict,
+    else the model's own (Hugging Face ``base_model_tp_plan``, litgpt, torchtitan-style Llama;
+    ``lightning_v17.models.tp_plans.resolve_tp_plan``). The three flags shape the model's own plan only.
+
+    Args:
+        plan: explicit plan ``{fqn: style}``; ``*`` matches one FQN component; styles "colwise", "rowwise",
+            "colwise_rep", "rowwise_rep", "sequence_parallel", "replicate" (or a torch ``ParallelStyle``). A key
+            matching no module is an error. None: the LightningModule's or the model's own plan.
+        sequence_parallel: shard norms/dropout along the sequence dim between the sublayers (Korthikanti 2022
+            §4.2.2).
+        vocab_parallel: shard the input embedding along the vocabulary (Megatron's ``VocabParallelEmbedding``); tp
+            must divide the vocabulary size.
+        loss_parallel: keep the output head's logits sharded along the vocabulary and compute the cross-entropy on
+            the shards (torch's ``loss_parallel()``; Megatron's vocab-parallel cross entropy): the [batch, seq, vocab]
+            logits are never gathered. The strategy runs ``training_step``/``validation_step``/``test_step`` and
+            backward inside that context, so the loss must be ``F.cross_entropy`` on the logits (the reference
+            ``LlamaLM``'s is). pp=1 only.
+    """
+
+    plan: dict[str, str] | None = None
+    sequence_parallel: bool = False
+    vocab_parallel: bool = False
+    loss_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("sequence_parallel", "vocab_parallel", "loss_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise V17ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.plan is not None:
+            if not isinstance(self.plan, Mapping) or not all(isinstance(k, str) and k for k in self.plan):
+                raise V17ConfigError(
+                    f"tp_plan={self.plan!r} must be a dict {{fqn: style}}, e.g. {{'layers.*.attn.q_proj': 'colwise'}}"
+                )
+            object.__setattr__(self, "plan", dict(self.plan))
+
+
+@dataclass(frozen=True)
 class LossScalePolicy:
     """fp16 dynamic loss scaling (seed §13; DeepSpeed's fp16 block).
 
@@ -488,11 +601,7 @@ class TrainingPolicy:
         offload: offload tiers.
         pipeline: pipeline schedule policy (used when the mesh has pp > 1).
         recompute: activation checkpointing mode.
-        sequence_parallel: shard norms/dropout along the sequence dim under TP (Korthikanti 2022 §4.2.2).
-        vocab_parallel: shard the input embedding along the vocabulary under TP (the model's own plan).
-        loss_parallel: keep logits vocab-sharded under TP; the loss runs inside torch's ``loss_parallel()``.
-        tp_plan: an explicit tensor-parallel plan, ``{fqn (``*`` wildcards allowed): style name}``; None: the
-            LightningModule's or the model's own plan.
+        tensor_parallel: tensor-parallel options (:class:`TPPolicy`; used when tp > 1).
         loss_scale: fp16 loss-scaling policy (None: Lightning's defaults, or bf16/fp32 with no scaler).
         gradient_clipping: max global grad norm from a DeepSpeed config (None: use the Trainer's setting).
         gradient_accumulation_steps: from a DeepSpeed config (None: use the Trainer's setting).
@@ -508,10 +617,7 @@ class TrainingPolicy:
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
     recompute: Recompute = Recompute.NONE
-    sequence_parallel: bool = False
-    vocab_parallel: bool = False
-    loss_parallel: bool = False
-    tp_plan: dict[str, Any] | None = None
+    tensor_parallel: TPPolicy = field(default_factory=TPPolicy)
     loss_scale: LossScalePolicy | None = None
     gradient_clipping: float | None = None
     gradient_accumulation_steps: int | None = None

@@ -3,7 +3,9 @@
 Torch-free vocabulary. The strategy raises from this table at construction (:func:`check`), the engine's
 ``parallelize`` checks it again for callers that build policies themselves, and the planner warns from it
 (:func:`violations`). A rule is a row ``(name, options, violated, message, fix, example)``: ``example`` is a set of
-``V17Strategy`` arguments that violates it, which ``tests/unit/test_rules.py`` constructs for every row.
+``V17Strategy`` arguments that violates it (a policy written as the dict of its fields, the YAML spelling), which
+``tests/unit/test_rules.py`` constructs for every row. ``options`` name the concepts (``offload_params`` is
+``OffloadPolicy.params``, ``tp_plan`` is ``TPPolicy.plan``, ``pp_split_points`` is ``PipelinePolicy.split_points``).
 """
 
 from __future__ import annotations
@@ -68,23 +70,30 @@ def _fp8(layout: Layout) -> Any:
     return layout.policy.fp8
 
 
+#: option -> (the TrainingPolicy field holding its policy, the field inside that policy)
+_AXIS_OPTIONS: dict[str, tuple[str, str]] = {
+    "sequence_parallel": ("tensor_parallel", "sequence_parallel"), "tp_plan": ("tensor_parallel", "plan"),
+    "vocab_parallel": ("tensor_parallel", "vocab_parallel"), "loss_parallel": ("tensor_parallel", "loss_parallel"),
+    "pp_split_points": ("pipeline", "split_points"),
+}  # fmt: skip
+
+
 def _needs_axis(option: str, axis: str) -> Rule:
     """``option`` shapes the ``axis`` axis and means nothing when it has size 1."""
 
-    def violated(lay: Layout) -> bool:
-        value = {"tp_plan": lay.policy.tp_plan, "pp_split_points": lay.policy.pipeline.split_points}.get(option)
-        if value is None:
-            value = getattr(lay.policy, option, None)
-        return bool(value) and getattr(lay, axis) == 1
+    policy, name = _AXIS_OPTIONS[option]
 
-    example: dict[str, Any] = {"tp_plan": {"x": "colwise"}, "pp_split_points": ["x"]}.get(option) or True
+    def violated(lay: Layout) -> bool:
+        return bool(getattr(getattr(lay.policy, policy), name)) and getattr(lay, axis) == 1
+
+    value: Any = {"plan": {"x": "colwise"}, "split_points": ["x"]}.get(name, True)
     return Rule(
         name=f"{option}_needs_{axis}",
         options=(option, axis),
         violated=violated,
         message=lambda lay: f"{option} applies only with {axis} > 1 (got {axis}=1)",
         fix=f"set {axis} or drop it",
-        example={option: example},
+        example={policy: {name: value}},
     )
 
 
@@ -114,8 +123,8 @@ RULES: tuple[Rule, ...] = (
             f"offload_params={_tier(lay, 'params')!r} offloads ZeRO-3 parameter shards and needs zero_stage=3 "
             f"(got {lay.stage})"
         ),
-        fix="set zero_stage=3, or offload only the optimizer with offload_optimizer=...",
-        example={"zero_stage": 2, "offload_params": "cpu"},
+        fix="set zero_stage=3, or offload only the optimizer with offload=OffloadPolicy(optimizer=...)",
+        example={"zero_stage": 2, "offload": {"params": "cpu"}},
     ),
     Rule(
         name="nvme_params_without_fp8",
@@ -126,7 +135,7 @@ RULES: tuple[Rule, ...] = (
             "step)"
         ),
         fix="use offload_params='cpu' or 'none' with fp8, or drop fp8",
-        example={"zero_stage": 3, "offload_params": "nvme", "nvme_path": ".", "fp8": "tensorwise"},
+        example={"zero_stage": 3, "offload": {"params": "nvme", "nvme_path": "."}, "fp8": "tensorwise"},
     ),
     Rule(
         name="fp8_all_gather_needs_stage_3",
@@ -137,7 +146,7 @@ RULES: tuple[Rule, ...] = (
             f"{lay.stage}, where every rank keeps whole weights)"
         ),
         fix="set zero_stage=3 or drop fp8_all_gather",
-        example={"zero_stage": 2, "fp8": "tensorwise", "fp8_all_gather": True},
+        example={"zero_stage": 2, "fp8": {"recipe": "tensorwise", "all_gather": True}},
     ),
     Rule(
         # rowwise scales one row of each GEMM operand, and torchao quantizes a weight along a different dim for each
@@ -162,13 +171,13 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="loss_parallel_without_pp",
         options=("loss_parallel", "pp"),
-        violated=lambda lay: bool(lay.policy.loss_parallel) and lay.pp > 1,
+        violated=lambda lay: lay.policy.tensor_parallel.loss_parallel and lay.pp > 1,
         message=lambda lay: (
             f"loss_parallel=True with pp={lay.pp} is not supported: the pipeline schedule computes the loss on the "
             "last stage outside the strategy's loss_parallel() context"
         ),
         fix="use loss_parallel with pp=1, or drop it",
-        example={"tp": 2, "pp": 2, "zero_stage": 1, "loss_parallel": True},
+        example={"tp": 2, "pp": 2, "zero_stage": 1, "tensor_parallel": {"loss_parallel": True}},
     ),
 )
 

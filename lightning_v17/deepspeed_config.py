@@ -44,7 +44,7 @@ DEEPSPEED_SUPPORTED_KEYS: frozenset[str] = frozenset({
 
 #: DeepSpeed keys that are read but have no effect here, with the reason; named in one warning when set.
 DEEPSPEED_NO_EFFECT_KEYS: dict[str, str] = {
-    "zero_optimization.overlap_comm": "overlap is V17Strategy(overlap_comm=...), on by default (FSDP2's streams on "
+    "zero_optimization.overlap_comm": "overlap is ZeroPolicy(overlap_comm=...), on by default (FSDP2's streams on "
     "GPUs, async work on gloo's threads on CPU; bitwise the same results either way)",
     "zero_optimization.contiguous_gradients": "gradient buckets are contiguous by construction",
     "activation_checkpointing.partition_activations": "DeepSpeed's partitioning of checkpointed activations across "
@@ -57,7 +57,7 @@ DEEPSPEED_NO_EFFECT_KEYS: dict[str, str] = {
     "zero_optimization.offload_param.pin_memory": "V17 pins offloaded parameters exactly when CUDA is available "
     "(FSDP2 CPUOffloadPolicy); pinning needs an accelerator",
     "zero_optimization.offload_param.buffer_count": "the nvme parameter tier reads ahead prefetch_units units "
-    "(forward and backward) and offload_optimizer.buffer_count - 1 chunks in the step; set V17Strategy(prefetch_units=...)",
+    "(forward and backward) and offload_optimizer.buffer_count - 1 chunks in the step; set ZeroPolicy(prefetch_units=...)",
     "zero_optimization.offload_param.ratio": "parameters are offloaded whole (no partial parameter offload)",
 }
 

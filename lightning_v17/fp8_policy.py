@@ -1,14 +1,17 @@
-"""The FP8 policy (seed §13): the scaling recipe, the backend and which Linears stay in high precision, parsed once
-from ``V17Strategy(fp8=, fp8_backend=, fp8_skip=, fp8_all_gather=, fp8_amax_history_len=)``. Torch-free like
+"""The FP8 policy: the scaling recipe, the backend and which Linears stay in high precision, given as
+``V17Strategy(fp8=FP8Policy(...))`` (or ``fp8="tensorwise"``, the recipe alone). Torch-free like
 :mod:`lightning_v17.config`, which re-exports these names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_v17.config_errors import V17ConfigError, parse_enum
+
+if TYPE_CHECKING:
+    from lightning_v17.config import ZeroPolicy  # config imports this module
 
 __all__ = ["FP8Backend", "FP8Policy", "FP8Recipe"]
 
@@ -40,26 +43,41 @@ class FP8Backend(StrEnum):
 
 @dataclass(frozen=True)
 class FP8Policy:
-    """FP8 training of the blocks' ``nn.Linear`` layers (seed §13; ``lightning_v17.engine.fp8``).
+    """Float8 matmuls in the repeated blocks' ``nn.Linear`` layers (Micikevicius 2022, "FP8 Formats for Deep
+    Learning"; ``lightning_v17.engine.fp8``).
 
-    The DeepSpeed JSON config has no FP8 section, so this policy comes only from ``V17Strategy(fp8=...,
-    fp8_backend=..., fp8_skip=...)``.
+    A Linear is converted when it sits inside a block and both its dims divide 16 (16 x tp under tensor
+    parallelism); the others are listed in one warning. Embeddings, the output head and norms stay in high
+    precision, and so do the master weights and the optimizer. The DeepSpeed JSON config has no FP8 section, so
+    this policy comes only from ``V17Strategy(fp8=...)``.
 
     Args:
-        recipe: the scaling recipe (:class:`FP8Recipe`).
-        backend: :class:`FP8Backend`.
-        skip: ``fnmatch`` patterns of module FQNs kept in high precision besides the fixed rule (embeddings, the
-            output head, norms and every Linear outside the repeated blocks), e.g. ``("*.w2", "layers.0.*")``.
-        all_gather: ZeRO-3 all-gathers the converted weights in float8 (a quarter of the fp32 bytes; torchao's
-            ``enable_fsdp_float8_all_gather``). None: on for ``tensorwise`` at zero_stage=3, else off. True with
-            ``rowwise`` is refused (torchao quantizes a rowwise weight along a different dim for each of its GEMMs,
-            so no single float8 copy can be gathered); True below zero_stage=3 is refused by the composition check.
-        amax_history_len: ``delayed`` only: steps of amax history each scale is computed from (None: 16,
-            ``engine/fp8_delayed.py``).
+        recipe: the scaling recipe (:class:`FP8Recipe`): "tensorwise" (one dynamic scale per tensor; torchao
+            ``Float8Linear``), "rowwise" (per-row dynamic scales, powers of 2; torchao) or "delayed" (scales from an
+            amax history of earlier steps, synced over the dp and tp axes; lightning-v17's own, since torchao 0.18
+            removed it, pytorch/ao#1680). With tp > 1: "tensorwise" (torchao's float8 tensor-parallel styles) or
+            "delayed" (plain styles, tp-synced histories).
+        backend: "torchao" (any device, CPU included), "te" (NVIDIA Transformer Engine: a GPU of compute
+            capability >= 8.9 with transformer-engine installed; its path is not implemented yet, so it raises a
+            clear error) or "auto" (torchao in this version; Transformer Engine where it can run once that path
+            exists).
+        skip: ``fnmatch`` patterns of module FQNs kept in high precision besides the fixed rule (a pattern matching
+            a block keeps all its Linears), e.g. ``("*.w2", "model.layers.0")``; a pattern matching no module is an
+            error.
+        all_gather: ZeRO-3 all-gathers the converted weights in float8 (torchao's ``enable_fsdp_float8_all_gather``:
+            a quarter of the fp32 bytes; on gloo the bytes travel as uint8), with their scales computed after each
+            optimizer step in one all-reduce. None: on for "tensorwise" at zero_stage=3, else off; False gathers
+            them in their own dtype. True with "rowwise" is refused (torchao quantizes a rowwise weight along a
+            different dim for each of its GEMMs, so no single float8 copy can be gathered); True below
+            zero_stage=3 is refused by the composition check.
+        amax_history_len: "delayed" only: how many steps of amax (max abs x) history each float8 scale is
+            computed from (scale = float8 max / max of the history). None: 16. The histories are all-reduced with
+            MAX over the dp and tp axes after each optimizer step and are saved in checkpoints
+            (``engine/fp8_delayed.py``).
     """
 
-    recipe: FP8Recipe = FP8Recipe.TENSORWISE
-    backend: FP8Backend = FP8Backend.AUTO
+    recipe: FP8Recipe | str = "tensorwise"  # plain defaults: the Lightning CLI prints them as written
+    backend: FP8Backend | str = "auto"
     skip: tuple[str, ...] = ()
     all_gather: bool | None = None
     amax_history_len: int | None = None
@@ -92,9 +110,10 @@ class FP8Policy:
         """``delayed``: the amax history length (``amax_history_len``, default 16)."""
         return 16 if self.amax_history_len is None else self.amax_history_len
 
-    def float8_all_gather(self, *, zero_stage: int) -> bool:
-        """Whether ZeRO-3 all-gathers the converted weights in float8 at ``zero_stage`` (see ``all_gather``)."""
-        if zero_stage != 3:
+    def float8_all_gather(self, *, zero: ZeroPolicy) -> bool:
+        """Whether ZeRO-3 all-gathers the converted weights in float8 under ``zero`` (see ``all_gather``): only where
+        it shards, and so all-gathers, the parameters."""
+        if not zero.shards_params:
             return False
         return self.recipe == FP8Recipe.TENSORWISE if self.all_gather is None else bool(self.all_gather)
 
@@ -103,8 +122,9 @@ class FP8Policy:
         cls, fp8: Any, backend: Any = "auto", skip: Any = (), all_gather: bool | None = None,
         amax_history_len: int | None = None,
     ) -> FP8Policy | None:  # fmt: skip
-        """The policy for ``V17Strategy(fp8=, fp8_backend=, fp8_skip=, fp8_all_gather=, fp8_amax_history_len=)``;
-        None when ``fp8`` is None/False.
+        """The policy for the flat spelling ``fp8=, fp8_backend=, fp8_skip=, fp8_all_gather=,
+        fp8_amax_history_len=`` (the tests' and benches' shorthand, ``tests/_strategy.py``); None when ``fp8`` is
+        None/False.
 
         Raises:
             V17ConfigError: an unknown recipe or backend, or ``fp8_backend``/``fp8_skip``/``fp8_all_gather``/

@@ -1,19 +1,78 @@
 """V17Strategy's sharded checkpoints: every rank writes its shards (DCP, ``engine/checkpoint.py``), and a checkpoint
-loads into any ZeRO stage, world size or mesh (reshard on load)."""
+loads into any ZeRO stage, world size or mesh (reshard on load). :class:`ShardedCheckpoints` holds Lightning's
+checkpoint hooks, mixed into V17Strategy as ``_collectives.WorldCollectives`` holds its collectives."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_v17.config import AXIS_ORDER, V17ConfigError
 from lightning_v17.engine import state_dict as state_engine
 
 if TYPE_CHECKING:
     from lightning_v17.strategies.v17 import V17Strategy
+
+
+class ShardedCheckpoints:
+    """Mixed into V17Strategy ahead of ``ParallelStrategy``: Lightning's checkpoint hooks, as sharded DCP directories."""
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded states load into the already sharded model and optimizers
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself
+
+    @override
+    def lightning_module_state_dict(self: Any) -> dict[str, Any]:
+        """FQN-keyed model state: full plain tensors (stages 0-2) or DTensor shards (stage 3), for DCP."""
+        return state_engine.get_model_state(self.model)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint already loaded the sharded states in place
+
+    @override
+    def optimizer_state(self: Any, optimizer: Optimizer) -> dict[str, Any]:
+        """FQN-keyed optimizer state with DTensor shards (stages 1-3) or full tensors (stage 0)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return self.zero.optimizer_state_dict(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint already loaded the sharded states in place
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint directory (every rank writes its shards; see engine/checkpoint.py)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported")
+        save(self, checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint into the sharded model/optimizers in place (any saved stage or world size)."""
+        out = load(self, checkpoint_path, weights_only=weights_only)
+        if self._parallel is not None and self._parallel.fp8 is not None:
+            self._parallel.fp8.refresh_weight_scales()  # the loaded weights' float8 scales (none may be stale)
+        return out
+
+    @override
+    def remove_checkpoint(self: Any, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove(filepath)
 
 
 def meta(strategy: V17Strategy, checkpoint: dict[str, Any]) -> dict[str, Any]:

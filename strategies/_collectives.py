@@ -1,15 +1,44 @@
-"""V17Strategy's world-group collectives (Lightning's ``barrier`` / ``broadcast`` / ``reduce``), on gloo and NCCL."""
+"""V17Strategy's world group: its creation (:func:`init_world`) and Lightning's ``barrier`` / ``broadcast`` /
+``reduce`` over it, on gloo and NCCL."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
+
+from lightning_v17.engine.elastic import elastic_attempt, init_elastic_process_group
+
+
+def init_world(
+    cluster_environment: Any, backend: str | None, *, device: torch.device, rank: int, world_size: int,
+    timeout: timedelta | None,
+) -> str:  # fmt: skip
+    """Create the world process group and return its backend (None: picked from ``device``, as Lightning does).
+
+    Under torchrun every restart attempt shares the agent's store, so each attempt's keys are kept apart
+    (``engine/elastic.py``); otherwise Lightning's own connection over the cluster environment.
+    """
+    backend = backend or _get_default_process_group_backend_for_device(device)
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    if elastic_attempt() is not None and not torch.distributed.is_initialized():
+        init_elastic_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    else:
+        _init_dist_connection(cluster_environment, backend, **kwargs)
+    return backend
 
 
 class WorldCollectives:

@@ -1,167 +1,182 @@
-"""V17Strategy's constructor arguments -> one frozen :class:`~lightning_v17.config.TrainingPolicy`, parsed once.
+"""V17Strategy's arguments -> one frozen :class:`~lightning_v17.config.TrainingPolicy`, parsed once.
 
-Precedence is given > config > default, decided by whether an option was given, never by comparing it with its
-default: the options a DeepSpeed JSON config (``config=``) can also set default to None ("not given"), so
-``V17Strategy(zero_stage=3, config={... "stage": 2 ...})`` trains at stage 3, and the config's stage 2 applies when
-``zero_stage`` is left out. The Lightning CLI passes every argument, defaults included, which is why "given" cannot
-be read from the call. A policy object (``zero=ZeroPolicy(...)``, for Python users; never together with the flat
-arguments it covers) is given as a whole: it wins over the config's section.
+Precedence is given > config > default, decided by whether an argument was given (not None), never by comparing it
+with its default: ``V17Strategy(zero_stage=3, config={... "stage": 2 ...})`` trains at stage 3, and the config's
+stage 2 applies when ``zero_stage`` is left out. The Lightning CLI passes every argument, defaults included, which is
+why "given" cannot be read from the call. A policy object (``zero=ZeroPolicy(...)``) is given as a whole: it wins over
+the config's section, fields left at their defaults included. A policy may also be the dict of its fields (the YAML
+spelling, what ``yaml.safe_load`` of a ``configs/`` file gives).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from enum import Enum
+from typing import Any, TypeVar
 
 from lightning_v17.config import (
     FP8Policy,
+    MeshSpec,
     OffloadPolicy,
     PipelinePolicy,
     Recompute,
     Tier,
+    TPPolicy,
     TrainingPolicy,
     V17ConfigError,
     ZeroPolicy,
 )
 from lightning_v17.deepspeed_config import from_deepspeed_config
 
-#: The options a DeepSpeed config can also set: their constructor default is None ("not given"), and this is the
-#: value they take when neither the argument nor the config gives one.
-FROM_CONFIG: dict[str, Any] = {
-    "zero_stage": 3, "activation_checkpointing": "none", "bucket_mb": 25.0, "offload_optimizer": "none",
-    "offload_params": "none", "offload_optimizer_ratio": 1.0,
-}  # fmt: skip
-#: Constructor defaults of the other options a policy object also covers (a clash check, not a precedence rule).
-DEFAULTS: dict[str, Any] = {
-    "reshard_after_forward": None, "wrap_classes": (), "optimizer_partition": "auto", "nvme_path": None,
-    "pp_schedule": "1f1b", "microbatches": 4, "virtual_stages": 1, "pp_split_points": None, "overlap_comm": True,
-    "prefetch_units": 1,
-}  # fmt: skip
-#: The flat arguments each policy object covers.
-POLICY_OPTIONS: dict[str, tuple[str, ...]] = {
-    "zero": ("zero_stage", "reshard_after_forward", "bucket_mb", "wrap_classes", "optimizer_partition",
-             "overlap_comm", "prefetch_units"),
-    "offload": ("offload_optimizer", "offload_params", "nvme_path", "offload_optimizer_ratio"),
-    "pipeline": ("pp_schedule", "microbatches", "virtual_stages", "pp_split_points"),
-}
+P = TypeVar("P")
+#: The policy arguments of V17Strategy and their classes (``fp8`` also takes a recipe string: build_fp8_policy).
+_POLICIES: dict[str, type] = {"zero": ZeroPolicy, "offload": OffloadPolicy, "pipeline": PipelinePolicy,
+                              "tensor_parallel": TPPolicy}  # fmt: skip
 
 
-def _is_default(name: str, value: Any) -> bool:
-    """Whether a flat argument was left as the constructor has it (not given)."""
-    if name in FROM_CONFIG:
-        return value is None
-    default = DEFAULTS[name]
-    if isinstance(default, tuple) or default is None and name == "pp_split_points":
-        return not value
-    return value == default
+def as_policy(value: Any, cls: type[P], option: str) -> P | None:
+    """``value`` as a ``cls``: the object itself, or built from the dict of its fields; None stays None (not given).
+
+    Raises:
+        V17ConfigError: a key that is not a field of ``cls``, or a value of another type.
+    """
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise V17ConfigError(f"{option}: {unknown} not fields of {cls.__name__}; its fields are {names}")
+        return cls(**value)
+    raise V17ConfigError(f"{option}={value!r} must be {cls.__name__}(...) or the dict of its fields")
 
 
-def build_policy(given: dict[str, Any]) -> TrainingPolicy:
+def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
     """Parse the constructor's arguments (``locals()`` of ``V17Strategy.__init__``) into a TrainingPolicy.
 
     Raises:
-        V17ConfigError: a policy object and a flat argument it covers are both given, an unknown value, or an
-            offload tier V17Strategy does not implement yet.
+        V17ConfigError: ``zero_stage`` together with ``zero=``, an unknown value, or an nvme tier whose
+            ``nvme_path`` is missing or unwritable.
     """
     config = given["config"]
-    for kind, names in POLICY_OPTIONS.items():
-        clash = [n for n in names if given[kind] is not None and not _is_default(n, given[n])]
-        if clash:
-            raise V17ConfigError(f"give {clash} either inside {kind}=... or as arguments, not both")
     base = from_deepspeed_config(config) if config is not None else TrainingPolicy()
-
-    def pick(name: str, from_config: Any) -> Any:
-        """given > config > default (``base`` is the config's policy, or the defaults without a config)."""
-        return from_config if given[name] is None else given[name]
-
-    zero = given["zero"] or ZeroPolicy(
-        stage=pick("zero_stage", base.zero.stage),
-        reshard_after_forward=given["reshard_after_forward"],
-        wrap_classes=tuple(given["wrap_classes"]) or base.zero.wrap_classes,
-        bucket_mb=pick("bucket_mb", base.zero.bucket_mb),
-        optimizer_partition=given["optimizer_partition"],
-        overlap_comm=bool(given["overlap_comm"]),
-        prefetch_units=given["prefetch_units"],
-    )
-    offload = given["offload"] or OffloadPolicy(
-        optimizer=pick("offload_optimizer", base.offload.optimizer),
-        params=pick("offload_params", base.offload.params),
-        nvme_path=given["nvme_path"] or base.offload.nvme_path,
-        optimizer_ratio=pick("offload_optimizer_ratio", base.offload.optimizer_ratio),
-        buffer_count=base.offload.buffer_count,
-        chunk_mb=base.offload.chunk_mb,
-    )
-    split = given["pp_split_points"]
-    pipeline = given["pipeline"] or PipelinePolicy(
-        schedule=given["pp_schedule"], microbatches=given["microbatches"], virtual_stages=given["virtual_stages"],
-        split_points=tuple(split) if split else None,
-    )  # fmt: skip
+    objs = {n: as_policy(given[n], cls, n) for n, cls in _POLICIES.items()}  # the policies given (None: not given)
+    zero, stage = objs["zero"], given["zero_stage"]
+    if zero is not None and stage is not None:
+        raise V17ConfigError(
+            f"zero_stage={stage!r} and zero=ZeroPolicy(stage={zero.stage}, ...) both set the ZeRO stage; give the stage "
+            "once: inside zero=ZeroPolicy(stage=...), or zero_stage= alone"
+        )
+    if zero is None:
+        zero = base.zero if stage is None else replace(base.zero, stage=stage)
+    offload = objs["offload"] or base.offload
     if Tier.NVME in (offload.optimizer, offload.params):
         from lightning_v17.engine.nvme import check_nvme_path
 
         check_nvme_path(offload.nvme_path)  # exists and is writable: now, before any process starts
-    recompute = Recompute.parse(pick("activation_checkpointing", base.recompute))
-    _warn_inapplicable(given, zero, offload, recompute)
-    tp_plan = given["tp_plan"]
-    return replace(
+    recompute = given["activation_checkpointing"]
+    policy = replace(
         base,
         zero=zero,
         offload=offload,
-        pipeline=pipeline,
-        recompute=recompute,
-        sequence_parallel=bool(given["sequence_parallel"]),
-        vocab_parallel=bool(given["vocab_parallel"]),
-        loss_parallel=bool(given["loss_parallel"]),
-        tp_plan=dict(tp_plan) if tp_plan else None,
-        fp8=build_fp8_policy(given),
+        pipeline=objs["pipeline"] or base.pipeline,
+        tensor_parallel=objs["tensor_parallel"] or base.tensor_parallel,
+        recompute=base.recompute if recompute is None else Recompute.parse(recompute),
+        fp8=build_fp8_policy(given["fp8"]),
     )
+    _warn_inapplicable(policy, objs, pp=given["pp"])
+    return policy
 
 
-def build_fp8_policy(given: dict[str, Any]) -> FP8Policy | None:
-    """``fp8``/``fp8_backend``/``fp8_skip``/``fp8_all_gather``/``fp8_amax_history_len`` -> one FP8Policy (None: fp8
-    off). A DeepSpeed config has no FP8 section.
+def build_fp8_policy(fp8: Any) -> FP8Policy | None:
+    """``fp8=`` -> one FP8Policy (a recipe string is ``FP8Policy(recipe=...)``; None/False: off). A DeepSpeed config
+    has no FP8 section.
 
-    ``fp8_backend='te'`` is checked against this machine now (no CUDA: it can never run here) and against the real
+    ``backend='te'`` is checked against this machine now (no CUDA: it can never run here) and against the real
     device again when the model is parallelized (``engine.fp8.apply_fp8``).
 
     Raises:
-        V17ConfigError: an unknown recipe/backend, ``fp8_backend``/``fp8_skip``/``fp8_all_gather``/
-            ``fp8_amax_history_len`` without fp8, ``fp8_backend='te'`` without a CUDA GPU.
+        V17ConfigError: an unknown recipe/backend, ``backend='te'`` without a CUDA GPU.
     """
+    if fp8 is None or fp8 is False:
+        return None
+    policy = FP8Policy(recipe=fp8) if isinstance(fp8, str) else as_policy(fp8, FP8Policy, "fp8")
     import torch
 
     from lightning_v17.engine.fp8 import resolve_fp8_backend
 
-    policy = FP8Policy.from_options(
-        given["fp8"], given["fp8_backend"], given["fp8_skip"], given["fp8_all_gather"], given["fp8_amax_history_len"]
-    )
-    if policy is not None and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         resolve_fp8_backend(policy, "cpu")  # raises for 'te' here; 'auto' resolves to torchao on CPU
     return policy
 
 
-def _warn_inapplicable(given: dict[str, Any], zero: ZeroPolicy, offload: OffloadPolicy, recompute: Recompute) -> None:
-    """One warning per option that was set but cannot apply to this configuration (never silently ignored)."""
+def check_axes(*, pp: int, dp_replicate: int, dp_shard: int | str, cp: int, tp: int) -> dict[str, Any]:
+    """Validate the fixed axis sizes now (a typo fails at construction, not after launch); the axes as a dict.
+
+    Raises:
+        V17ConfigError: a size that is not a positive integer, cp != 1, or a bad ``dp_shard``.
+    """
+    MeshSpec(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)
+    if not (dp_shard in ("auto", -1) or (isinstance(dp_shard, int) and dp_shard >= 1)):
+        raise V17ConfigError(f"dp_shard={dp_shard!r} must be a positive integer or 'auto'")
+    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+
+
+def _changed(policy: Any, cls: type) -> dict[str, Any]:
+    """The fields of a given policy that differ from the policy's own defaults ({} when none was given)."""
+    if policy is None:
+        return {}
+    default = cls()
+    return {f.name: getattr(policy, f.name) for f in fields(cls) if getattr(policy, f.name) != getattr(default, f.name)}
+
+
+def _show(name: str, value: Any) -> str:
+    return f"{name}={(value.value if isinstance(value, Enum) else value)!r}"
+
+
+def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: int) -> None:
+    """One warning per option that was set but cannot apply to this configuration (never silently ignored): the
+    fields of each given policy (``objs``) that differ from that policy's own defaults."""
+    zero, pipeline, offload = (_changed(objs[n], _POLICIES[n]) for n in ("zero", "pipeline", "offload"))
+    notes = []
+    if policy.zero.shards_params:
+        notes += [f"zero.{_show(n, zero[n])} applies to zero_stage 0-2 (FSDP2 reduces per unit at stage 3)"
+                  for n in ("bucket_mb", "optimizer_partition") if n in zero]  # fmt: skip
+    else:
+        notes += [f"zero.{n} applies to zero_stage=3 only (stages 0-2 keep whole parameters)"
+                  for n in ("reshard_after_forward", "prefetch_units") if n in zero]  # fmt: skip
+    if pp == 1:
+        notes += [f"pipeline.{_show(n, pipeline[n])} applies only with pp > 1"
+                  for n in ("schedule", "microbatches", "virtual_stages") if n in pipeline]  # fmt: skip
+    if "wrap_classes" in zero and not policy.zero.shards_params and policy.recompute == Recompute.NONE:
+        notes.append("zero.wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")
+    if "nvme_path" in offload and Tier.NVME not in (policy.offload.optimizer, policy.offload.params):
+        notes.append(f"offload.{_show('nvme_path', offload['nvme_path'])} applies only to an 'nvme' offload tier "
+                     "(none is set)")  # fmt: skip
+    for note in notes:
+        _warn(note)
+
+
+def warn_checkpoint_io(io: Any) -> None:
+    """A ``CheckpointIO`` plugin given to the Trainer is not used: V17Strategy writes sharded checkpoints itself."""
+    if io is not None:
+        _warn("checkpoint_io: V17Strategy writes sharded DCP checkpoint directories itself (engine/checkpoint.py)")
+
+
+def _warn(note: str) -> None:
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    notes = []
-    if zero.shards_params:
-        notes += [f"{n}={given[n]!r} applies to zero_stage 0-2 (FSDP2 reduces per unit at stage 3)"
-                  for n in ("bucket_mb", "optimizer_partition") if not _is_default(n, given[n])]  # fmt: skip
-    else:
-        notes += [f"{n} applies to zero_stage=3 only (stages 0-2 keep whole parameters)"
-                  for n in ("reshard_after_forward", "prefetch_units") if not _is_default(n, given[n])]  # fmt: skip
-    if given["pp"] == 1:
-        notes += [f"{n}={given[n]!r} applies only with pp > 1"
-                  for n in ("pp_schedule", "microbatches", "virtual_stages") if not _is_default(n, given[n])]  # fmt: skip
-    if not _is_default("wrap_classes", given["wrap_classes"]) and not zero.shards_params and recompute == Recompute.NONE:
-        notes.append("wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")
-    if given["nvme_path"] and Tier.NVME not in (offload.optimizer, offload.params):
-        notes.append(f"nvme_path={given['nvme_path']!r} applies only to an 'nvme' offload tier (none is set)")
-    if given.get("checkpoint_io") is not None:
-        notes.append("checkpoint_io: V17Strategy writes sharded DCP checkpoint directories itself (engine/checkpoint.py)")
-    for note in notes:
-        rank_zero_warn(f"V17Strategy: {note}; it is ignored here")
+    rank_zero_warn(f"V17Strategy: {note}; it is ignored here")
+
+
+def apply_config_to_trainer(policy: TrainingPolicy, trainer: Any) -> None:
+    """A DeepSpeed config's ``gradient_clipping`` / ``gradient_accumulation_steps`` apply when the Trainer's
+    ``gradient_clip_val`` is None / ``accumulate_grad_batches`` is 1 (its bf16/fp16 block: ``_precision.py``)."""
+    if policy.gradient_clipping is not None and trainer.gradient_clip_val is None:
+        trainer.gradient_clip_val = policy.gradient_clipping
+    if policy.gradient_accumulation_steps and trainer.accumulate_grad_batches == 1:
+        trainer.accumulate_grad_batches = policy.gradient_accumulation_steps
 
 
 def check_batch_keys(policy: TrainingPolicy, *, rows: int, accumulate: int, dp: int) -> None:

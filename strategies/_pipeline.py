@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 def pipeline_options(module: Any, policy: PipelinePolicy) -> tuple[PipelinePolicy, Any, Any]:
     """Resolve how to cut ``module`` and what loss to use: ``(policy with split points, layout, loss_fn)``.
 
-    Split points, first match: the strategy's ``pp_split_points`` option, the LightningModule's
+    Split points, first match: the strategy's ``PipelinePolicy.split_points``, the LightningModule's
     ``pipeline_split_points()`` hook, else balanced by parameter count. The layout comes from the model
     (``lightning_v17.models.pp_layouts``); the loss from the LightningModule's ``pipeline_loss`` when defined.
     """

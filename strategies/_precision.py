@@ -27,7 +27,7 @@ def apply_config_precision(strategy: V17Strategy) -> None:
     if want is None or type(strategy.precision_plugin) is not Precision:
         return
     if want in (V17Precision.BF16_MIXED, V17Precision.FP16_MIXED):
-        scaler = build_loss_scaler(strategy) if want == V17Precision.FP16_MIXED else None
+        scaler = build_loss_scaler(strategy) if want.needs_scaler else None
         strategy.precision_plugin = MixedPrecision(want.value, device=strategy.root_device.type, scaler=scaler)
 
 
@@ -55,16 +55,16 @@ def build_loss_scaler(strategy: V17Strategy, like: Any = None) -> ShardedLossSca
 def mixed_precision_dtypes(plugin: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
     """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy (stage 3) and the stage 0-2 reductions.
 
-    "bf16-mixed"/"16-mixed": compute in bf16/fp16, reduce gradients in fp32, the sharded fp32 parameter is the
-    master. Stages 0-2 keep fp32 parameters and rely on Lightning's autocast (the precision plugin), so their
-    gradients are fp32 already. "bf16-true": the plugin converts the module; nothing to add.
+    "bf16-mixed"/"16-mixed" (a precision with an fp32 master, :attr:`~lightning_v17.config.Precision.has_master`):
+    compute in its :attr:`~lightning_v17.config.Precision.compute_dtype`, reduce gradients in fp32, the sharded fp32
+    parameter is the master. Stages 0-2 keep fp32 parameters and rely on Lightning's autocast (the precision
+    plugin), so their gradients are fp32 already. "32-true", "bf16-true" (the plugin converts the module) and
+    Lightning precisions without a member here ("64-true", "16-true", ...): nothing to add.
     """
-    p = getattr(plugin, "precision", "32-true")
-    if p == "bf16-mixed":
-        return torch.bfloat16, torch.float32
-    if p == "16-mixed":
-        return torch.float16, torch.float32
-    return None, None
+    p = V17Precision.lookup(getattr(plugin, "precision", "32-true"))
+    if p is None or not p.has_master:
+        return None, None
+    return getattr(torch, p.compute_dtype), torch.float32
 
 
 class ShardedClipping:
@@ -86,7 +86,7 @@ class ShardedClipping:
             params,
             clip_val,
             group=zero.shard_group,
-            sharded=zero.grads_are_sharded(),
+            sharded=zero.grad_norm_over_shards,
             stage_group=mesh.group("pp") if mesh.spec.pp > 1 else None,
             tp_sharded=[zero.is_tp_sharded(p) for p in params] if mesh.spec.tp > 1 else None,
             tp_group=mesh.group("tp") if mesh.spec.tp > 1 else None,

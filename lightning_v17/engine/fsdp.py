@@ -324,7 +324,7 @@ def after_optimizer_step(module: nn.Module, optimizer: Any = None) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     state = root._get_fsdp_state()  # type: ignore[operator]
-    opt = getattr(optimizer, "_optimizer", optimizer)
+    opt = optimizer
     held = None if opt is None else {id(p) for g in opt.param_groups for p in g["params"]}
     stepped = []
     for g in state._fsdp_param_groups:

@@ -46,7 +46,6 @@ parameter: torch steps it on the DTensors, exactly, where every shard has the sa
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -57,8 +56,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.zero_layout import chunk_rows, is_elementwise_optimizer
-from lightning_v17.optim.local_shards import local_grad, replace_step
+from lightning_v17.engine.zero_layout import chunk_rows
+from lightning_v17.optim.factory import bitsandbytes_optimizer_base
+from lightning_v17.optim.local_shards import is_torch_elementwise, local_grad, replace_step
 
 __all__ = ["OwnerStep", "StepPlan", "attach_owner_steps", "owner_step_of", "plan_step"]
 
@@ -75,13 +75,6 @@ class StepPlan(Enum):
     LOCAL_SHARDS = "local_shards"
     #: whole parameters on owner ranks (this module)
     OWNER = "owner"
-
-
-def _bitsandbytes_base() -> type | None:
-    """bitsandbytes' optimizer base class if bitsandbytes is imported (a user's bitsandbytes optimizer imported it;
-    importing it here would cost ~8 s for nothing)."""
-    mod = sys.modules.get("bitsandbytes.optim.optimizer")
-    return getattr(mod, "Optimizer8bit", None)
 
 
 def _bitsandbytes_elementwise(opt: Any) -> bool:
@@ -121,7 +114,7 @@ def plan_step(optimizer: Any, *, partition: str = "auto") -> StepPlan:
     """How ``optimizer`` steps DTensor shards at ZeRO-3, decided once before its first step.
 
     Args:
-        optimizer: the user's optimizer (a ``LightningOptimizer`` is unwrapped).
+        optimizer: the user's optimizer (the torch optimizer: the strategy unwraps Lightning's ``LightningOptimizer``).
         partition: ``optimizer_partition``. "auto": :attr:`StepPlan.OWNER` for what needs whole parameters or cannot
             step DTensors (``torch.optim.Adafactor``, bitsandbytes' 8-bit optimizers, any class that is not known or
             declared elementwise: the ZeRO-1/2 engine's "auto" gives these whole parameters too),
@@ -134,7 +127,7 @@ def plan_step(optimizer: Any, *, partition: str = "auto") -> StepPlan:
     Raises:
         V17ConfigError: ``torch.optim.LBFGS`` with ``partition="params"``, or over unevenly sharded parameters.
     """
-    opt = getattr(optimizer, "_optimizer", optimizer)
+    opt = optimizer
     if isinstance(opt, torch.optim.LBFGS):
         if partition == "params":
             raise V17ConfigError(
@@ -148,10 +141,10 @@ def plan_step(optimizer: Any, *, partition: str = "auto") -> StepPlan:
     if getattr(opt, "v17_kind", None) is not None:
         return StepPlan.AS_IS  # lightning_v17.optim: every class steps DTensor shards (Adafactor completes its sums)
     declared = getattr(opt, "v17_elementwise", None)
-    torch_elementwise = declared is None and is_elementwise_optimizer(opt)  # torch's classes step DTensors
+    torch_elementwise = declared is None and is_torch_elementwise(opt)  # torch's classes step DTensors
     if partition == "rows":
         return StepPlan.AS_IS if torch_elementwise else StepPlan.LOCAL_SHARDS
-    base = _bitsandbytes_base()
+    base = bitsandbytes_optimizer_base()
     if base is not None and isinstance(opt, base):
         return StepPlan.LOCAL_SHARDS if _bitsandbytes_elementwise(opt) else StepPlan.OWNER
     if declared is not None:
@@ -471,8 +464,8 @@ class OwnerStep:
 
 
 def owner_step_of(optimizer: Any) -> OwnerStep | None:
-    """The :class:`OwnerStep` attached to ``optimizer`` (a ``LightningOptimizer`` is unwrapped), else None."""
-    return getattr(getattr(optimizer, "_optimizer", optimizer), "_v17_owner_step", None)
+    """The :class:`OwnerStep` attached to ``optimizer``, else None."""
+    return getattr(optimizer, "_v17_owner_step", None)
 
 
 def attach_owner_steps(optimizers: Iterable[torch.optim.Optimizer], *, names: Mapping[int, str]) -> list[OwnerStep]:

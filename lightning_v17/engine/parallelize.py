@@ -102,7 +102,7 @@ def _units(module: nn.Module, policy: TrainingPolicy) -> list[nn.Module]:
     )
     if policy.recompute != Recompute.NONE:
         raise V17ConfigError(f"activation_checkpointing={policy.recompute.value!r} checkpoints each block, but {fix}")
-    if policy.zero.stage == 3:
+    if policy.zero.shards_params:
         log.warning("zero_stage=3: the whole model is one FSDP unit (all-gathered at once), because %s", fix)
     return units
 
@@ -287,7 +287,7 @@ def parallelize(
     fp8_layers: tuple[str, ...] = ()
     fp8 = None
     if policy.fp8 is not None:  # 2. the blocks' Linears to float8 (engine/fp8.py), before TP reshapes them
-        gather8 = policy.fp8.float8_all_gather(zero_stage=policy.zero.stage)
+        gather8 = policy.fp8.float8_all_gather(zero=policy.zero)
         fp8_layers = apply_fp8(
             module, policy=policy.fp8, units=units, device=device, float8_all_gather=gather8, tp=spec.tp
         )
@@ -300,7 +300,9 @@ def parallelize(
     if spec.tp > 1:  # 3. DTensor plans over the tp axis
         from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.sequence_parallel)
+        apply_tensor_parallel(
+            module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.tensor_parallel.sequence_parallel
+        )
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model
         module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_v17.config import PipelinePolicy, V17ConfigError
+from lightning_v17.config import PipelinePolicy, V17ConfigError, ZeroPolicy
 from lightning_v17.engine.pipeline_split import (
     PipelineLayout,
     StageModule,
@@ -75,17 +75,17 @@ __all__ = [
 ]
 
 
-def check_pipeline_composition(*, pp: int, zero_stage: int) -> None:
+def check_pipeline_composition(*, pp: int, zero: ZeroPolicy) -> None:
     """Refuse PP combined with ZeRO-2/3 (the ``pp_needs_stage_le_1`` rule of :mod:`lightning_v17.config_rules`).
 
     Raises:
-        V17ConfigError: when ``pp > 1`` and ``zero_stage >= 2``.
+        V17ConfigError: when ``pp > 1`` and ``zero`` shards gradients (ZeRO-2/3).
     """
-    from lightning_v17.config import TrainingPolicy, ZeroPolicy
+    from lightning_v17.config import TrainingPolicy
     from lightning_v17.config_rules import RULES, Layout
 
     rule = next(r for r in RULES if r.name == "pp_needs_stage_le_1")
-    layout = Layout(TrainingPolicy(zero=ZeroPolicy(stage=zero_stage)), pp=pp)
+    layout = Layout(TrainingPolicy(zero=zero), pp=pp)
     if rule.violated(layout):
         raise V17ConfigError(rule.text(layout))
 

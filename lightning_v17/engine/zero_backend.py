@@ -83,9 +83,13 @@ class ZeroBackend:
     def shards_params(self) -> bool:
         return self.stage >= 3
 
-    def grads_are_sharded(self) -> bool:
-        """Whether the optimizer's gradients are disjoint pieces over :attr:`shard_group` (global-norm clipping must
-        then all-reduce the squared norm); False at stage 0, where every rank holds the whole gradient."""
+    @property
+    def grad_norm_over_shards(self) -> bool:
+        """Whether a global gradient norm (clipping) must all-reduce its squared sum over :attr:`shard_group`: the
+        gradients the optimizer holds are disjoint pieces over it. So from stage 1 on, where the gradients
+        themselves may still be whole (``shards_grads`` is False at stage 1) but the optimizer steps only this
+        rank's partition, whose gradients are that partition's; not at stage 0, where every rank's optimizer holds
+        the whole gradient."""
         return self.shards_optimizer
 
     def is_tp_sharded(self, p: torch.Tensor) -> bool:
@@ -145,7 +149,7 @@ class ZeroBackend:
             V17ConfigError: at stage 3, an optimizer that steps whole parameters with offloaded optimizer state or
                 parameters, or over tensor-parallel parameters (:class:`~lightning_v17.engine.owner_step.OwnerStep`).
         """
-        optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
+        optimizers = list(optimizers)
         if self.engine is not None:
             self.engine.choose_partition(optimizers)
             for opt in optimizers:
@@ -233,7 +237,7 @@ class ZeroBackend:
         the replicated parameters. Only that optimizer's: with several (a GAN), the others' parameters are left
         untouched, and a graph built through them still back-propagates. None: every parameter."""
         if self.engine is not None:
-            self.engine.gather_params(getattr(optimizer, "_optimizer", optimizer))
+            self.engine.gather_params(optimizer)
         else:  # stage 3, a step inside a step hook (manual optimization): the root's own parameters gathered anew
             fsdp_engine.after_optimizer_step(self.module, optimizer)
 
@@ -246,7 +250,7 @@ class ZeroBackend:
 
         from lightning_v17.engine.owner_step import owner_step_of
 
-        opt = getattr(optimizer, "_optimizer", optimizer)
+        opt = optimizer
         owner = owner_step_of(opt)
         if owner is not None:  # stage 3, whole parameters on owner ranks: each owner's whole states, by FQN
             return owner.state_dict()
@@ -262,7 +266,7 @@ class ZeroBackend:
 
         from lightning_v17.engine.owner_step import owner_step_of
 
-        opt = getattr(optimizer, "_optimizer", optimizer)
+        opt = optimizer
         owner = owner_step_of(opt)
         if owner is not None:
             owner.load_state_dict(state)

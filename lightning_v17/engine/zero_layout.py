@@ -1,6 +1,7 @@
 """The ZeRO-0/1/2 partition layout (part of :mod:`lightning_v17.engine.zero`, which re-exports it): which dim-0
-rows of each parameter a rank owns, the per-parameter and per-bucket bookkeeping, and which optimizers may step a
-dim-0 slice (elementwise ones) or need whole parameters.
+rows of each parameter a rank owns and the per-parameter and per-bucket bookkeeping. Which optimizers may step a
+dim-0 slice (elementwise ones) or need whole parameters, the optimizer library answers
+(:func:`lightning_v17.optim.local_shards.is_elementwise_optimizer`, re-exported here).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Any, Self
 
 import torch
 from torch import nn
+
+from lightning_v17.optim.local_shards import is_elementwise_optimizer
 
 __all__ = ["PARTITIONS", "ShardParameter", "chunk_rows", "is_elementwise_optimizer", "shard_view"]
 
@@ -119,26 +122,6 @@ class _Bucket:
     buf: torch.Tensor | None = None  # flat full gradients (stages 0/1) or the [world*seg] reduce-scatter input
     out: torch.Tensor | None = None  # the [seg] reduce-scatter output (stage 2)
     ready: set[int] = field(default_factory=set)
-
-
-def _elementwise_optimizers() -> tuple[type, ...]:
-    """torch.optim classes whose update of an element depends only on that element's gradient and state (plus
-    scalars: lr, step count), so stepping a dim-0 slice of a parameter equals slicing the full step."""
-    o = torch.optim
-    names = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
-    return tuple(getattr(o, n) for n in names if hasattr(o, n))
-
-
-def is_elementwise_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """True for the elementwise ``torch.optim`` optimizers (see :func:`_elementwise_optimizers`), subclasses
-    included. Anything else (Adafactor's factored rows/columns, LBFGS, Muon, bitsandbytes' block-quantized states,
-    third-party optimizers) is treated as needing whole parameters. An optimizer that declares ``v17_elementwise``
-    (the :mod:`lightning_v17.optim` classes: True for Lion and CPU-Adam, False for the blockwise 8-bit ones and
-    Adafactor) is taken at its word."""
-    declared = getattr(optimizer, "v17_elementwise", None)
-    if declared is not None:
-        return bool(declared)
-    return isinstance(optimizer, _elementwise_optimizers())
 
 
 PARTITIONS = ("auto", "rows", "params")

@@ -438,7 +438,7 @@ def resolve_tp_plan(
     """The tensor-parallel plan for ``module``, from the first source that has one; pass it to
     ``apply_tensor_parallel(module, tp_mesh=..., plan=...)``.
 
-    1. ``explicit`` (the strategy's ``tp_plan=`` option): returned as a dict, its keys checked against ``module``.
+    1. ``explicit`` (the strategy's ``TPPolicy.plan``): returned as a dict, its keys checked against ``module``.
     2. ``module.configure_tensor_parallel(mesh)`` (returned wrapped as ``plan(module, mesh)``), else a non-empty
        ``module.tp_plan`` dict (a Hugging Face model's own ``tp_plan`` property is not a user hook: it is the
        model's plan, which source 3 reads with the checks and options that apply to it).
@@ -494,7 +494,8 @@ def resolve_tp_plan(
     if plan is None:
         raise V17ConfigError(
             f"tensor parallelism needs a plan and none was found for {type(module).__name__}: (1) pass "
-            f"V17Strategy(tp_plan={{fqn: style}}) (e.g. {{'layers.*.attn.q_proj': 'colwise', ...}}), (2) give the "
+            f"V17Strategy(tensor_parallel=TPPolicy(plan={{fqn: style}})) (the engine's tp_plan=; e.g. "
+            f"{{'layers.*.attn.q_proj': 'colwise', ...}}), (2) give the "
             f"LightningModule a configure_tensor_parallel(self, mesh) method or a `tp_plan` dict, or (3) use a model "
             f"that supplies its own (Hugging Face base_model_tp_plan, litgpt GPT, torchtitan-style Llama)"
         )

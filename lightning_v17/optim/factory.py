@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from enum import StrEnum
 from typing import Any
 
@@ -17,7 +18,8 @@ import torch
 
 from lightning_v17.config import OptimizerKind, V17ConfigError, parse_enum
 
-__all__ = ["OptimizerName", "build_optimizer", "optimizer_class", "optimizer_kind_of"]
+__all__ = ["OptimizerName", "bitsandbytes_optimizer_base", "build_optimizer", "optimizer_class", "optimizer_kind_of",
+           "planner_kind_of"]
 
 
 class OptimizerName(StrEnum):
@@ -128,3 +130,40 @@ def optimizer_kind_of(optimizer: Any) -> OptimizerName | None:
     """The :class:`OptimizerName` a library optimizer declares (``v17_kind``), else None (a foreign optimizer)."""
     kind = getattr(optimizer, "v17_kind", None)
     return OptimizerName.parse(kind) if kind is not None else None
+
+
+def bitsandbytes_optimizer_base() -> type | None:
+    """bitsandbytes' optimizer base class if bitsandbytes is imported (a user's bitsandbytes optimizer imported it;
+    importing it here would cost ~8 s for nothing)."""
+    mod = sys.modules.get("bitsandbytes.optim.optimizer")
+    return getattr(mod, "Optimizer8bit", None)
+
+
+#: bitsandbytes' optimizers by the update they were built with (``optimizer_name``) and their state bits
+#: (``optim_bits``): Adam/AdamW keep two moments, Lion and momentum SGD one (32-bit: fp32; 8-bit: uint8 + absmax).
+_BITSANDBYTES_KINDS: dict[tuple[str, int], OptimizerKind] = {
+    ("adam", 32): OptimizerKind.ADAMW, ("adam", 8): OptimizerKind.ADAM8BIT,
+    ("lion", 32): OptimizerKind.LION, ("lion", 8): OptimizerKind.LION8BIT, ("momentum", 32): OptimizerKind.SGD,
+}  # fmt: skip
+
+
+def planner_kind_of(optimizer: Any) -> OptimizerKind | None:
+    """The planner's :class:`~lightning_v17.config.OptimizerKind` of ``optimizer`` (its optimizer-state bytes per
+    parameter), asked of the optimizer itself, once: what a library class declares (``v17_kind``); torch's Adam and
+    AdamW, Adafactor and SGD with momentum, subclasses included; bitsandbytes' optimizers by the update and the state
+    bits they were built with. None when the state is not known (``MemoryBuckets(optimizer_bytes=...)`` gives it).
+    """
+    declared = optimizer_kind_of(optimizer)
+    if declared is not None:
+        return declared.planner_kind
+    bnb = bitsandbytes_optimizer_base()
+    if bnb is not None and isinstance(optimizer, bnb):
+        bits = int(getattr(getattr(optimizer, "args", None), "optim_bits", 32))
+        return _BITSANDBYTES_KINDS.get((str(getattr(optimizer, "optimizer_name", "")), bits))
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return OptimizerKind.ADAMW
+    if isinstance(optimizer, torch.optim.Adafactor):
+        return OptimizerKind.ADAFACTOR
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return OptimizerKind.SGD
+    return None

@@ -27,8 +27,9 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "LocalShardStep", "enable_local_step", "has_dtensor_params", "local_grad",
-           "local_shards", "replace_step", "step_on_local_shards"]  # fmt: skip
+__all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "LocalShardStep", "enable_local_step", "has_dtensor_params",
+           "is_elementwise_optimizer", "is_torch_elementwise", "local_grad", "local_shards", "replace_step",
+           "step_on_local_shards"]  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -133,9 +134,11 @@ class LocalShardStep:
         return loss
 
 
-#: ``torch.optim`` classes whose update of an element reads only that element of the parameter, gradient and state
-#: (plus scalars: lr, betas, step counts), so stepping the local shards equals the shards of the DTensor step bit
-#: for bit (each DTensor op dispatches to the same local op on the same local tensor)
+#: The one list of elementwise ``torch.optim`` classes: the update of an element reads only that element of the
+#: parameter, gradient and state (plus scalars: lr, betas, step counts). So a dim-0 slice steps exactly as the slice
+#: of the whole step (ZeRO-1/2's "rows" partition, :func:`is_elementwise_optimizer`), and stepping the local shards
+#: equals the DTensor step bit for bit (each DTensor op dispatches to the same local op on the same local tensor;
+#: Rprop's ``index_put_`` has no DTensor strategy in torch 2.13, so its local step is the only one that runs).
 ELEMENTWISE_TORCH_OPTIMIZERS: tuple[str, ...] = (
     "SGD",
     "Adam",
@@ -143,9 +146,38 @@ ELEMENTWISE_TORCH_OPTIMIZERS: tuple[str, ...] = (
     "Adamax",
     "NAdam",
     "RAdam",
-    "RMSprop",
     "Adagrad",
+    "Adadelta",
+    "RMSprop",
+    "Rprop",
+    "ASGD",
 )
+
+
+def _elementwise_classes() -> tuple[type, ...]:
+    return tuple(getattr(torch.optim, n) for n in ELEMENTWISE_TORCH_OPTIMIZERS if hasattr(torch.optim, n))
+
+
+def is_torch_elementwise(optimizer: Any, *, exact: bool = False) -> bool:
+    """Whether ``optimizer`` is one of :data:`ELEMENTWISE_TORCH_OPTIMIZERS` (``exact``: that very class, not a
+    subclass, which may override ``step``)."""
+    if exact:
+        return type(optimizer) in _elementwise_classes()
+    return isinstance(optimizer, _elementwise_classes())
+
+
+def is_elementwise_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update is elementwise, so that ZeRO-1/2 may step a dim-0 slice of each parameter.
+
+    An optimizer that declares ``v17_elementwise`` (the :mod:`lightning_v17.optim` classes: True for AdamW, CPU-Adam
+    and Lion, False for the blockwise 8-bit ones and Adafactor) is taken at its word; otherwise the
+    :data:`ELEMENTWISE_TORCH_OPTIMIZERS` are, subclasses included. Anything else (Adafactor's factored
+    rows/columns, LBFGS, Muon, bitsandbytes' block-quantized states, third-party optimizers) needs whole parameters.
+    """
+    declared = getattr(optimizer, "v17_elementwise", None)
+    if declared is not None:
+        return bool(declared)
+    return is_torch_elementwise(optimizer)
 
 
 def enable_local_step(optimizer: Any) -> bool:
@@ -161,9 +193,8 @@ def enable_local_step(optimizer: Any) -> bool:
         True if the step was replaced; False when nothing needs it (no DTensor parameter, not one of those classes,
         ``differentiable=True``, one of our library classes, or already replaced).
     """
-    opt = getattr(optimizer, "_optimizer", optimizer)
-    name = type(opt).__name__
-    if name not in ELEMENTWISE_TORCH_OPTIMIZERS or type(opt) is not getattr(torch.optim, name, None):
+    opt = optimizer
+    if not is_torch_elementwise(opt, exact=True):
         return False  # our library's classes step local shards already; a subclass may override step
     if any(g.get("differentiable", False) for g in opt.param_groups):
         return False  # the step is part of an autograd graph: leave it on the DTensors
@@ -179,7 +210,7 @@ def step_on_local_shards(optimizer: Any) -> bool:
     Returns:
         True if the step was replaced; False without DTensor parameters or when it already was.
     """
-    opt = getattr(optimizer, "_optimizer", optimizer)
+    opt = optimizer
     if getattr(opt, "_v17_local_step", False) or not has_dtensor_params(opt.param_groups):
         return False
 

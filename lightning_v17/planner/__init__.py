@@ -19,7 +19,6 @@ Nothing here imports torch (a test checks it), so ``v17 plan`` starts instantly 
 from __future__ import annotations
 
 from lightning_v17.planner.hardware import ACCELERATORS, Accelerator, get_accelerator
-from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.memory import (
     ModelStateBytes,
     activation_bytes_per_layer,
@@ -27,6 +26,7 @@ from lightning_v17.planner.memory import (
     optimizer_bytes_per_param,
 )
 from lightning_v17.planner.model import PRESETS, Arch, ModelShape, get_preset
+from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.plan import ClusterSpec, ModelSpec, Plan, TrainSpec, make_plan
 from lightning_v17.planner.resilience import daly_interval_s, young_interval_s
 from lightning_v17.planner.throughput import flops_per_token

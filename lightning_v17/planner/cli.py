@@ -23,10 +23,10 @@ import shlex
 import sys
 from typing import Any
 
-from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, Tier
+from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, Tier, ZeroPolicy
 from lightning_v17.planner.hardware import ACCELERATORS
-from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.model import PRESETS, Arch, ModelShape, get_preset, with_overrides
+from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.pipeline import OpTimes
 from lightning_v17.planner.plan import ClusterSpec, ModelSpec, TrainSpec, make_plan
 from lightning_v17.planner.report import render_text, to_dict
@@ -221,7 +221,8 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         node_mtbf_hours=args.node_mtbf_hours, memory_reserve=args.memory_reserve,
     )  # fmt: skip
     train = TrainSpec(
-        tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, zero_stage=args.zero_stage,
+        tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp,
+        zero=None if args.zero_stage is None else ZeroPolicy(stage=args.zero_stage),
         optimizer=OptimizerKind.parse(args.optimizer, "--optimizer"),
         precision=Precision.parse(args.precision or defaults.get("precision", "bf16-mixed"), "--precision"),
         micro_batch=args.micro_batch, seq=args.seq, global_batch=args.global_batch, microbatches=args.microbatches,

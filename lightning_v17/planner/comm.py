@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_v17.config import Recompute
+from lightning_v17.config import Recompute, ZeroPolicy
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def ring_fraction(n: int) -> float:
 def dp_comm_bytes(
     params_per_rank: float,
     *,
-    zero_stage: int,
+    zero: ZeroPolicy,
     dp: int,
     grad_bytes: float = 2.0,
     param_bytes: float = 2.0,
@@ -56,7 +56,7 @@ def dp_comm_bytes(
 
     Args:
         params_per_rank: Ψ = parameters per model-parallel rank (num_params / (tp·pp)).
-        zero_stage: 0-3.
+        zero: the ZeRO policy (what it shards decides the collectives).
         dp: data-parallel ranks.
         grad_bytes: bytes per gradient element on the wire.
         param_bytes: bytes per parameter element on the wire.
@@ -65,24 +65,20 @@ def dp_comm_bytes(
     f = ring_fraction(dp)
     m = grad_accum_steps
     psi = params_per_rank
-    if zero_stage == 0:
+    if not zero.shards_optimizer:  # DDP: every rank keeps and steps everything
         return [Collective("dp all-reduce (grads)", "dp", math.ceil(2 * psi * f * grad_bytes))]
-    if zero_stage == 1:
-        return [
-            Collective("dp reduce-scatter (grads)", "dp", math.ceil(psi * f * grad_bytes)),
-            Collective("dp all-gather (params)", "dp", math.ceil(psi * f * param_bytes)),
-        ]
-    if zero_stage == 2:
-        return [
-            Collective("dp reduce-scatter (grads)", "dp", math.ceil(m * psi * f * grad_bytes)),
-            Collective("dp all-gather (params)", "dp", math.ceil(psi * f * param_bytes)),
-        ]
-    if zero_stage == 3:
+    if zero.shards_params:  # gathered in forward and backward, reduce-scattered, every micro-batch
         return [
             Collective("dp all-gather (params, fwd+bwd)", "dp", math.ceil(m * 2 * psi * f * param_bytes)),
             Collective("dp reduce-scatter (grads)", "dp", math.ceil(m * psi * f * grad_bytes)),
         ]
-    raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    # replicated parameters: reduce-scatter the gradients (each micro-batch once they are sharded), all-gather the
+    # updated partitions once per step
+    reductions = m if zero.shards_grads else 1
+    return [
+        Collective("dp reduce-scatter (grads)", "dp", math.ceil(reductions * psi * f * grad_bytes)),
+        Collective("dp all-gather (params)", "dp", math.ceil(psi * f * param_bytes)),
+    ]
 
 
 def tp_comm_bytes_per_layer(

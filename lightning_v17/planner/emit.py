@@ -13,20 +13,21 @@ other than LlamaLM's AdamW) is not emitted; it becomes a "NOT EMITTED" comment i
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from lightning_v17.config import OptimizerKind, Precision, Tier, V17ConfigError
+from lightning_v17.config import OffloadPolicy, OptimizerKind, PipelinePolicy, Precision, Tier, TPPolicy, V17ConfigError
 from lightning_v17.planner.plan import Plan
 from lightning_v17.planner.report import fmt_bytes, fmt_count
 
 STRATEGY_CLASS = "lightning_v17.strategies.V17Strategy"
 #: The comment line that records the producing command; :func:`recorded_command` reads it back.
 COMMAND_PREFIX = "# command: v17 plan "
-#: Offload tiers V17Strategy accepts today (strategies/_options.py ``build_policy`` refuses the others);
+#: Offload tiers V17Strategy accepts today (an nvme tier needs an ``nvme_path`` the plan cannot know);
 #: tests/unit/test_emit_config.py checks these sets against the real strategy, so they cannot drift apart.
 IMPLEMENTED_OFFLOAD_OPTIMIZER: frozenset[Tier] = frozenset({Tier.NONE, Tier.CPU})  # nvme also needs nvme_path
 IMPLEMENTED_OFFLOAD_PARAMS: frozenset[Tier] = frozenset({Tier.NONE, Tier.CPU})
@@ -116,8 +117,24 @@ def _model_section(plan: Plan) -> dict[str, Any]:
     return section
 
 
+def _fields(policy: Any) -> dict[str, Any]:
+    """A policy as the YAML mapping of all its fields: what the Lightning CLI resolves it to, so that a file's values
+    survive ``--print_config`` unchanged (tests/unit/test_configs.py). An enum is written as its value where the
+    field also takes a string (``Schedule | str``), else as its member name, the only spelling jsonargparse takes
+    for a plain enum field (``Tier.CPU`` -> ``CPU``; the policy parses either)."""
+    out = {}
+    for f in fields(policy):
+        value = getattr(policy, f.name)
+        if isinstance(value, Enum):
+            value = value.value if "str" in str(f.type).split(" | ") else value.name
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
 def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
-    """V17Strategy's ``init_args`` for the plan's layout (only options the strategy accepts)."""
+    """V17Strategy's ``init_args`` for the plan's layout (only options the strategy accepts): the axis sizes and the
+    shortcuts, then the policy of each axis in use (``pipeline`` with pp > 1, ``tensor_parallel`` with tp > 1) and
+    of each offload tier the strategy can run here."""
     lay = plan.layout
     if lay.cp != 1:
         raise V17ConfigError(f"--emit-config: cp={lay.cp}, but V17Strategy does not implement context parallelism "
@@ -125,29 +142,36 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
     # The planner's ZeRO shards over the whole data-parallel degree (memory_for: shard = dp * cp), i.e. one dp_shard
     # axis and no replicated (HSDP) axis.
     args: dict[str, Any] = {
-        "zero_stage": lay.zero_stage, "tp": lay.tp, "pp": lay.pp, "dp_replicate": 1, "dp_shard": lay.dp,
-        "sequence_parallel": bool(lay.sp and lay.tp > 1), "activation_checkpointing": lay.recompute.value,
+        "zero_stage": lay.zero.stage, "activation_checkpointing": lay.recompute.value, "dp_replicate": 1,
+        "dp_shard": lay.dp, "tp": lay.tp, "pp": lay.pp,
     }  # fmt: skip
     if lay.pp > 1:
-        args.update(pp_schedule=lay.schedule.value, microbatches=lay.microbatches, virtual_stages=lay.virtual_stages)
+        args["pipeline"] = _fields(PipelinePolicy(schedule=lay.schedule, microbatches=lay.microbatches,
+                                                  virtual_stages=lay.virtual_stages))  # fmt: skip
+    if lay.tp > 1:
+        args["tensor_parallel"] = _fields(TPPolicy(sequence_parallel=bool(lay.sp)))
+    offload: dict[str, Tier] = {}
     if lay.offload_optimizer == Tier.NONE:
         pass
     elif lay.offload_optimizer in IMPLEMENTED_OFFLOAD_OPTIMIZER and plan.cluster.gpu == "cpu":
-        args["offload_optimizer"] = lay.offload_optimizer.value
+        offload["optimizer"] = lay.offload_optimizer
     else:  # V17's optimizer offload steps CPU parameters only (engine/offload.py); nvme needs the machine's path
         not_emitted.append(f"offload_optimizer={lay.offload_optimizer.value!r} (the plan counts the optimizer state "
                            "off the device) is not emitted: V17Strategy offloads the optimizer of CPU parameters only "
                            "in this version (nvme also needs nvme_path=); the run keeps it on the device")
     if lay.offload_params != Tier.NONE:
-        if lay.zero_stage != 3:
+        if not lay.zero.shards_params:
             not_emitted.append(f"offload_params={lay.offload_params.value!r} needs zero_stage=3 (ignored by the plan "
-                               f"at zero_stage={lay.zero_stage})")
+                               f"at zero_stage={lay.zero.stage})")
         elif lay.offload_params in IMPLEMENTED_OFFLOAD_PARAMS:
-            args["offload_params"] = lay.offload_params.value
+            offload["params"] = lay.offload_params
         else:
             not_emitted.append(f"offload_params={lay.offload_params.value!r} is not emitted: it needs nvme_path=<a "
                                "directory on this machine's NVMe drive>, which the plan cannot know; add both to the "
-                               "strategy's init_args (the run keeps the parameter shards on the device otherwise)")
+                               "strategy's offload: init_args (the run keeps the parameter shards on the device "
+                               "otherwise)")
+    if offload:
+        args["offload"] = _fields(OffloadPolicy(**offload))
     return {"class_path": STRATEGY_CLASS, "init_args": args}
 
 
@@ -170,7 +194,7 @@ def emit_config(plan: Plan) -> EmittedConfig:
     nodes, devices = _nodes_and_devices(plan)
     precision = lay.precision
     if lay.fp8 is not None:
-        strategy["init_args"]["fp8"] = lay.fp8.value  # the Linears of the blocks in float8 (engine/fp8.py)
+        strategy["init_args"]["fp8"] = lay.fp8.value  # the recipe, FP8Policy's shortcut (engine/fp8.py)
     if precision == Precision.FP8:
         precision = Precision.BF16_MIXED  # fp8 runs as V17Strategy(fp8=...) with bf16-mixed outside the matmuls
     if lay.optimizer != MODEL_OPTIMIZER:
@@ -194,7 +218,7 @@ def emit_config(plan: Plan) -> EmittedConfig:
     summary = [
         (f"plan: {plan.model.name} ({fmt_count(plan.model.num_params)} params) on {lay.gpus} x {acc.name} "
          f"({nodes} node{'s' if nodes > 1 else ''} x {devices})"),
-        (f"  layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero_stage} sp={'on' if lay.sp else 'off'} "
+        (f"  layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero.stage} sp={'on' if lay.sp else 'off'} "
          f"recompute={lay.recompute.value} schedule={lay.schedule.value if lay.pp > 1 else '-'} | "
          f"{lay.optimizer.value} {lay.precision.value}{f' fp8={lay.fp8.value}' if lay.fp8 else ''}"),
         (f"  per-rank device memory: {fmt_bytes(gpu_bytes)} of {fmt_bytes(plan.cluster.usable_memory_bytes)} usable "

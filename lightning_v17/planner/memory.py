@@ -24,17 +24,19 @@ FP8_LINEARS_PER_LLAMA_BLOCK = 7
 
 
 def param_bytes_per_param(precision: Precision) -> float:
-    """Bytes of the working copy of one parameter: 4 in fp32, 2 in every 16-bit or fp8 mode.
+    """Bytes of the working copy of one parameter: 4 in fp32, 2 in every 16-bit or fp8 mode
+    (:attr:`Precision.param_bytes <lightning_v17.config.Precision.param_bytes>`).
 
     Source: ZeRO (Rajbhandari 2020) §3.1 ("2Ψ bytes for fp16 parameters"). fp8 training (Transformer Engine,
     torchao) keeps bf16 weights and casts to fp8 per matmul, so it also counts 2 B.
     """
-    return 4.0 if Precision.parse(precision) == Precision.FP32 else 2.0
+    return Precision.parse(precision).param_bytes
 
 
 def grad_bytes_per_param(precision: Precision) -> float:
-    """Bytes of one parameter's gradient: 4 in fp32, 2 otherwise. Source: ZeRO (Rajbhandari 2020) §3.1."""
-    return 4.0 if Precision.parse(precision) == Precision.FP32 else 2.0
+    """Bytes of one parameter's gradient: 4 in fp32, 2 otherwise (:attr:`Precision.grad_bytes
+    <lightning_v17.config.Precision.grad_bytes>`). Source: ZeRO (Rajbhandari 2020) §3.1."""
+    return Precision.parse(precision).grad_bytes
 
 
 def optimizer_state_components(kind: OptimizerKind, precision: Precision) -> tuple[tuple[str, float], ...]:
@@ -58,9 +60,9 @@ def optimizer_state_components(kind: OptimizerKind, precision: Precision) -> tup
     """
     kind = OptimizerKind.parse(kind)
     precision = Precision.parse(precision)
-    state = 2.0 if precision == Precision.BF16_TRUE else 4.0
+    state = precision.state_bytes
     parts: list[tuple[str, float]] = []
-    if precision not in (Precision.FP32, Precision.BF16_TRUE):
+    if precision.has_master:
         parts.append(("master", 4.0))
     if kind in (OptimizerKind.ADAM, OptimizerKind.ADAMW):
         parts += [("moment", state), ("var", state)]
@@ -95,16 +97,25 @@ class ModelStateBytes:
     total: int
 
 
+def zero_of(zero: ZeroPolicy | None, zero_stage: int | None = None) -> ZeroPolicy:
+    """The :class:`~lightning_v17.config.ZeroPolicy` a formula asks: ``zero``, or ``zero_stage`` (the DeepSpeed-style
+    shortcut some callers still pass) parsed once into one. Exactly one of them must be given."""
+    if (zero is None) == (zero_stage is None):
+        raise TypeError("give zero=ZeroPolicy(stage=...) (or the zero_stage= shortcut), not both or neither")
+    return zero if zero is not None else ZeroPolicy(stage=zero_stage)  # type: ignore[arg-type]
+
+
 def model_state_bytes_per_rank(
     num_params: float,
     *,
-    zero_stage: int,
+    zero: ZeroPolicy | None = None,
     dp: int,
     tp: int = 1,
     pp: int = 1,
     param_bytes: float = 2.0,
     grad_bytes: float = 2.0,
     optimizer_bytes: float = 12.0,
+    zero_stage: int | None = None,
 ) -> ModelStateBytes:
     """Parameter, gradient and optimizer bytes held by one rank under ZeRO stage 0-3.
 
@@ -115,23 +126,23 @@ def model_state_bytes_per_rank(
 
     Args:
         num_params: parameters of the whole model (Ψ before model parallelism).
-        zero_stage: 0, 1, 2 or 3.
+        zero: the ZeRO policy: what it shards (``shards_optimizer`` / ``shards_grads`` / ``shards_params``).
         dp: data-parallel ranks that ZeRO shards over (N_d).
         tp: tensor-parallel size; model state is divided by tp * pp first.
         pp: pipeline-parallel size.
         param_bytes: bytes per parameter of the working copy (2 mixed, 4 fp32).
         grad_bytes: bytes per gradient element (2 mixed, 4 fp32).
         optimizer_bytes: K, see :func:`optimizer_bytes_per_param`.
+        zero_stage: shortcut for ``zero=ZeroPolicy(stage=zero_stage)``.
     """
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    zero = zero_of(zero, zero_stage)
     for name, value in (("num_params", num_params), ("dp", dp), ("tp", tp), ("pp", pp)):
         if value < 1 and not (name == "num_params" and value == 0):
             raise ValueError(f"{name}={value!r} must be positive")
     psi = num_params / (tp * pp)
-    param = math.ceil(psi * param_bytes / (dp if zero_stage >= 3 else 1))
-    grad = math.ceil(psi * grad_bytes / (dp if zero_stage >= 2 else 1))
-    optimizer = math.ceil(psi * optimizer_bytes / (dp if zero_stage >= 1 else 1))
+    param = math.ceil(psi * param_bytes / (dp if zero.shards_params else 1))
+    grad = math.ceil(psi * grad_bytes / (dp if zero.shards_grads else 1))
+    optimizer = math.ceil(psi * optimizer_bytes / (dp if zero.shards_optimizer else 1))
     return ModelStateBytes(param=param, grad=grad, optimizer=optimizer, total=param + grad + optimizer)
 
 
@@ -475,14 +486,14 @@ def zero3_gather_bytes(
     return math.ceil(gathered * (1 + prefetch) + unit * grad_bytes)
 
 
-def grad_bucket_bytes(*, zero_stage: int, bucket_mb: float = ZeroPolicy.bucket_mb) -> int:
+def grad_bucket_bytes(*, zero: ZeroPolicy) -> int:
     """Temporary gradient-reduction bucket for ZeRO-1/2 (DeepSpeed ``reduce_bucket_size``), in bytes.
 
-    Source: ZeRO (Rajbhandari 2020) §5.2 (gradients are reduced in buckets) and ``ZeroPolicy.bucket_mb`` (MiB).
-    Stage 0 (DDP) reduces gradients in place (``gradient_as_bucket_view``) and stage 3 is covered by
-    :func:`zero3_gather_bytes`, so both count 0.
+    Source: ZeRO (Rajbhandari 2020) §5.2 (gradients are reduced in buckets) and ``zero.bucket_mb`` (MiB). Stage 0
+    (DDP, nothing sharded) reduces gradients in place (``gradient_as_bucket_view``) and stage 3 (parameters
+    sharded) is covered by :func:`zero3_gather_bytes`, so both count 0.
     """
-    return int(bucket_mb * 2**20) if zero_stage in (1, 2) else 0
+    return int(zero.bucket_mb * 2**20) if zero.shards_optimizer and not zero.shards_params else 0
 
 
 def logits_bytes(*, seq: int, micro_batch: int, vocab: int, tp: int = 1) -> int:
@@ -511,4 +522,5 @@ __all__ = [
     "optimizer_state_components",
     "param_bytes_per_param",
     "zero3_gather_bytes",
+    "zero_of",
 ]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_v17.config import Tier
+from lightning_v17.config import Tier, ZeroPolicy
+from lightning_v17.planner.memory import zero_of
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,14 @@ def offload_traffic_bytes(
     *,
     optimizer_partition_params: float,
     param_partition_params: float,
-    zero_stage: int,
+    zero: ZeroPolicy | None = None,
     grad_accum_steps: int = 1,
     param_bytes: float = 2.0,
     grad_bytes: float = 2.0,
     optimizer_bytes: float = 12.0,
     offload_optimizer: Tier = Tier.NONE,
     offload_params: Tier = Tier.NONE,
+    zero_stage: int | None = None,
 ) -> OffloadTraffic:
     """Bytes one rank moves per optimizer step because of offloading.
 
@@ -79,24 +81,26 @@ def offload_traffic_bytes(
     Args:
         optimizer_partition_params: parameters whose optimizer state this rank owns (Ψ/(tp·pp·dp) for ZeRO >= 1).
         param_partition_params: parameters this rank stores (Ψ/(tp·pp·dp) for ZeRO-3).
-        zero_stage: 0-3.
+        zero: the ZeRO policy (sharded gradients leave every micro-batch; only sharded parameters are offloaded).
         grad_accum_steps: micro-batches per step on this rank.
         param_bytes: bytes per 16-bit (or fp32) parameter.
         grad_bytes: bytes per gradient element.
         optimizer_bytes: K.
         offload_optimizer: tier of the optimizer state.
         offload_params: tier of the parameter shards.
+        zero_stage: shortcut for ``zero=ZeroPolicy(stage=zero_stage)``.
     """
+    zero = zero_of(zero, zero_stage)
     offload_optimizer = Tier.parse(offload_optimizer, "offload_optimizer")
     offload_params = Tier.parse(offload_params, "offload_params")
     pcie = 0.0
     nvme = 0.0
     if offload_optimizer != Tier.NONE:
-        grad_trips = grad_accum_steps if zero_stage >= 2 else 1
+        grad_trips = grad_accum_steps if zero.shards_grads else 1
         pcie += optimizer_partition_params * (grad_trips * grad_bytes + param_bytes)
         if offload_optimizer == Tier.NVME:
             nvme += 2 * optimizer_bytes * optimizer_partition_params
-    if offload_params != Tier.NONE and zero_stage == 3:
+    if offload_params != Tier.NONE and zero.shards_params:
         pcie += 2 * grad_accum_steps * param_partition_params * param_bytes
         if offload_params == Tier.NVME:
             nvme += (2 * grad_accum_steps + 1) * param_partition_params * param_bytes

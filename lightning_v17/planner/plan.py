@@ -20,6 +20,7 @@ from lightning_v17.config import (
     Schedule,
     Tier,
     V17ConfigError,
+    ZeroPolicy,
     check_tp_divides,
 )
 from lightning_v17.planner import comm as comm_
@@ -124,7 +125,7 @@ class TrainSpec:
     Args:
         tp, pp, dp, cp: mesh sizes.
         sp: sequence parallelism (None: on whenever tp > 1).
-        zero_stage: 0-3.
+        zero: the ZeRO policy (``v17 plan --zero-stage N`` is ``ZeroPolicy(stage=N)``).
         optimizer: optimizer kind.
         precision: training precision.
         micro_batch: samples per micro-batch (b).
@@ -152,7 +153,7 @@ class TrainSpec:
     dp: int | None = None
     cp: int | None = None
     sp: bool | None = None
-    zero_stage: int | None = None
+    zero: ZeroPolicy | None = None
     optimizer: OptimizerKind = OptimizerKind.ADAMW
     precision: Precision = Precision.BF16_MIXED
     micro_batch: int = 1
@@ -193,8 +194,6 @@ class TrainSpec:
         for name in ("tp", "pp", "dp", "cp", "seq", "global_batch", "microbatches", "virtual_stages"):
             _positive(name, getattr(self, name))
         _positive("micro_batch", self.micro_batch, allow_none=False)
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            raise V17ConfigError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
         if not 0 < self.mfu <= 1:
             raise V17ConfigError(f"mfu={self.mfu!r} must be in (0, 1]")
         _positive("checkpoint_write_s", self.checkpoint_write_s, kind=float)
@@ -202,14 +201,14 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """A fully resolved layout: every size concrete."""
+    """A fully resolved layout: every size concrete, the ZeRO stage a :class:`~lightning_v17.config.ZeroPolicy`."""
 
     tp: int
     pp: int
     dp: int
     cp: int
     sp: bool
-    zero_stage: int
+    zero: ZeroPolicy
     recompute: Recompute
     schedule: Schedule
     virtual_stages: int
@@ -226,6 +225,12 @@ class Layout:
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def params_tier(self) -> Tier:
+        """Where the parameters live: ``offload_params`` when ZeRO shards them (ZeRO-Infinity offloads parameter
+        shards), else the device (the rules table warns about ``offload_params`` below ZeRO-3)."""
+        return self.offload_params if self.zero.shards_params else Tier.NONE
 
 
 @dataclass(frozen=True)
@@ -319,11 +324,11 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
     # ZeRO shards over every data-parallel rank of a model replica, cp included (torchtitan's dp_shard_cp).
     shard = lay.dp * lay.cp
     state = mem.model_state_bytes_per_rank(
-        model.num_params, zero_stage=lay.zero_stage, dp=shard, tp=lay.tp, pp=lay.pp,
+        model.num_params, zero=lay.zero, dp=shard, tp=lay.tp, pp=lay.pp,
         param_bytes=pb, grad_bytes=gb, optimizer_bytes=k,
     )  # fmt: skip
     opt_parts = tuple((name, math.ceil(state.optimizer * b / k) if k else 0) for name, b in parts)
-    element = 4 if lay.precision == Precision.FP32 else mem.ACT_ELEMENT_BYTES_16BIT
+    element = lay.precision.activation_bytes
     per_layer = act = temp = 0
     if shape is not None:
         per_layer = mem.activation_bytes_per_layer_of(
@@ -334,17 +339,16 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
             per_layer, layers=shape.layers, pp=lay.pp, microbatches=lay.microbatches, schedule=lay.schedule,
             virtual_stages=lay.virtual_stages,
         )  # fmt: skip
-        if lay.zero_stage == 3 and shard > 1:
+        if lay.zero.shards_params and shard > 1:
             temp += mem.zero3_gather_bytes(shape.largest_unit_params, tp=lay.tp, param_bytes=pb, grad_bytes=gb,
                                            float8_params=mem.fp8_gathered_params(shape, lay.fp8))  # fmt: skip
         if lay.pp == 1:
             temp += mem.logits_bytes(seq=lay.seq // lay.cp, micro_batch=lay.micro_batch, vocab=shape.vocab, tp=lay.tp)
     if shard > 1:
-        temp += mem.grad_bucket_bytes(zero_stage=lay.zero_stage)
-    params_tier = lay.offload_params if lay.zero_stage == 3 else Tier.NONE
+        temp += mem.grad_bucket_bytes(zero=lay.zero)
     tiers = off.tier_bytes(
         param_bytes=state.param, grad_bytes=state.grad, optimizer_bytes=state.optimizer, activation_bytes=act,
-        temp_bytes=temp, offload_optimizer=lay.offload_optimizer, offload_params=params_tier,
+        temp_bytes=temp, offload_optimizer=lay.offload_optimizer, offload_params=lay.params_tier,
     )  # fmt: skip
     return Memory(state.param, state.grad, state.optimizer, opt_parts, act, per_layer, temp, tiers)
 
@@ -405,9 +409,9 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
         # The strategy's own policy validates schedule/microbatches/virtual_stages, so plan and run agree.
         PipelinePolicy(schedule=schedule, microbatches=m, virtual_stages=v)
     seq = train.seq or (model.shape.seq if model.shape is not None else 2048)
-    zero = rec.zero_stage if train.zero_stage is None else train.zero_stage
+    zero = rec.zero if train.zero is None else train.zero
     sp = (tp > 1) if train.sp is None else train.sp
-    return Layout(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, zero_stage=zero, recompute=recompute, schedule=schedule,
+    return Layout(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, schedule=schedule,
                   virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
                   optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
                   offload_params=train.offload_params, fp8=train.fp8)
@@ -453,7 +457,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
 
     def state_fits(tp: int, pp: int) -> bool:
         dp = (world // (tp * pp)) if world else (train.dp or 1)
-        st = mem.model_state_bytes_per_rank(num_params, zero_stage=1, dp=dp, tp=tp, pp=pp)
+        st = mem.model_state_bytes_per_rank(num_params, zero=ZeroPolicy(stage=1), dp=dp, tp=tp, pp=pp)
         return st.total <= cluster.usable_memory_bytes / 2
 
     rec = recipes.recommend(
@@ -464,7 +468,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         rec = replace(rec, dp=train.dp)
 
     # The tree's own layout (its sizes; only the batch flags from the user) and the cheapest recompute that fits it.
-    rec_train = replace(train, tp=None, pp=None, cp=None, sp=None, zero_stage=None, schedule=None,
+    rec_train = replace(train, tp=None, pp=None, cp=None, sp=None, zero=None, schedule=None,
                         virtual_stages=None, dp=None)
     rec_cluster = cluster if world else replace(cluster, gpus=rec.tp * rec.pp * (train.dp or 1))
     try:
@@ -483,11 +487,11 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     pb = mem.param_bytes_per_param(lay.precision)
     gb = mem.grad_bytes_per_param(lay.precision)
     k = mem.optimizer_bytes_per_param(lay.optimizer, lay.precision)
-    element = 4 if lay.precision == Precision.FP32 else 2
+    element = lay.precision.activation_bytes
     psi_mp = num_params / (lay.tp * lay.pp)
     shard = lay.dp * lay.cp
     # Each rank runs m micro-batches per step; with ZeRO-2/3 each one triggers its own reduce-scatter/gathers.
-    collectives = list(comm_.dp_comm_bytes(psi_mp, zero_stage=lay.zero_stage, dp=shard, grad_bytes=gb,
+    collectives = list(comm_.dp_comm_bytes(psi_mp, zero=lay.zero, dp=shard, grad_bytes=gb,
                                            param_bytes=pb, grad_accum_steps=lay.microbatches))
     layers_per_stage = math.ceil(shape.layers / lay.pp) if shape else 0
     per_rank_layers = layers_per_stage * lay.microbatches
@@ -524,9 +528,9 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     compute_s = thr.compute_time_s(hw, model_flops_per_step=model_flops, gpus=lay.gpus, peak_flops=peak,
                                    mfu=train.mfu, bubble_fraction=bubble)
 
-    opt_partition = psi_mp / (shard if lay.zero_stage >= 1 else 1)
+    opt_partition = psi_mp / (shard if lay.zero.shards_optimizer else 1)
     traffic = off.offload_traffic_bytes(
-        optimizer_partition_params=opt_partition, param_partition_params=psi_mp / shard, zero_stage=lay.zero_stage,
+        optimizer_partition_params=opt_partition, param_partition_params=psi_mp / shard, zero=lay.zero,
         grad_accum_steps=lay.microbatches, param_bytes=pb, grad_bytes=gb, optimizer_bytes=k,
         offload_optimizer=lay.offload_optimizer, offload_params=lay.offload_params,
     )  # fmt: skip
@@ -543,8 +547,9 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     mtbf_s = res.cluster_mtbf_s(cluster.node_mtbf_hours * 3600.0, nodes)
 
     warnings = recipes.anti_pattern_warnings(
-        tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, sp=lay.sp, zero_stage=lay.zero_stage, gpus_per_node=gpn,
+        tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, sp=lay.sp, zero=lay.zero, gpus_per_node=gpn,
         microbatches=lay.microbatches, offload_params=lay.offload_params, offload_optimizer=lay.offload_optimizer,
+        fp8=lay.fp8,
     )  # fmt: skip
     notes = list(rec.notes)
     engine_note = schedule_info(lay.schedule).engine_note() if lay.pp > 1 else None

@@ -131,7 +131,7 @@ def write_plot(plan: Plan, path: str | Path, *, dpi: int = 110) -> Path:
 
     model = plan.model.name if plan.model.shape is None else f"{plan.model.name} ({plan.model.shape.arch.value})"
     fig.suptitle(f"v17 plan: {model} on {lay.gpus} x {acc.name} | tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp} "
-                 f"zero={lay.zero_stage} recompute={lay.recompute.value} {lay.precision.value}", fontsize=12)
+                 f"zero={lay.zero.stage} recompute={lay.recompute.value} {lay.precision.value}", fontsize=12)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi, format="png")
     plt.close(fig)

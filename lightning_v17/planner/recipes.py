@@ -7,8 +7,10 @@ Torch-free. The tree (seed §17.4):
     model ≤ 100B?         → TP8 + PP4 + DP
     otherwise             → TP8 + PP≥8 + ZeRO-1 (+ CP for long sequences / EP for MoE)
 
-Anti-patterns (seed §17.5, §10.7): TP across nodes; PP with ZeRO-2/3; tp not dividing the heads; fewer
-than 4·p micro-batches; small DP with a huge PP; a plan that does not fit in device memory.
+Anti-patterns (seed §17.5, §10.7): TP across nodes; tp not dividing the heads; fewer than 4·p micro-batches; small
+DP with a huge PP; ZeRO with nothing to shard over; a plan that does not fit in device memory. Combinations that
+V17Strategy refuses (PP with ZeRO-2/3, offload_params below ZeRO-3, ...) are warned from the one rules table,
+:mod:`lightning_v17.config_rules`, with its message and fix.
 """
 
 from __future__ import annotations
@@ -16,7 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_v17.config import Schedule, Tier, divisors
+from lightning_v17.config import (
+    FP8Policy,
+    FP8Recipe,
+    OffloadPolicy,
+    Schedule,
+    Tier,
+    TPPolicy,
+    TrainingPolicy,
+    ZeroPolicy,
+    divisors,
+)
+from lightning_v17.config_rules import Layout as RulesLayout
+from lightning_v17.config_rules import Rule, violations
 
 SMALL_MODEL_PARAMS = 10e9  # seed §17.4: "model ≤ 10B? → FSDP (FULL_SHARD) only"
 MEDIUM_MODEL_PARAMS = 100e9  # seed §17.4: "model ≤ 100B? → TP8 + PP4 + DP"
@@ -32,7 +46,7 @@ class Recommendation:
         pp: pipeline-parallel size.
         dp: data-parallel size (None when the world size is unknown).
         cp: context-parallel size (1: the tree's "+CP" is a note, not a choice, while cp is unimplemented).
-        zero_stage: ZeRO stage.
+        zero: the ZeRO policy (its stage).
         sp: sequence parallelism with TP.
         schedule: pipeline schedule.
         reason: the branch of the tree that was taken.
@@ -43,7 +57,7 @@ class Recommendation:
     pp: int
     dp: int | None
     cp: int
-    zero_stage: int
+    zero: ZeroPolicy
     sp: bool
     schedule: Schedule
     reason: str
@@ -95,11 +109,11 @@ def recommend(
 
     if num_params <= SMALL_MODEL_PARAMS:
         reason = "≤10B parameters: FSDP FULL_SHARD (ZeRO-3) over all ranks, no TP/PP (seed §17.4)"
-        tp, pp, zero = 1, 1, 3
+        tp, pp, zero = 1, 1, ZeroPolicy(stage=3)
     elif not nvlink or gpus_per_node < 2:
         reason = (">10B without an intra-node NVLink fabric: TP would cross slow links, so FSDP FULL_SHARD "
                   "(ZeRO-3) over all ranks (seed §17.4-18.5)")
-        tp, pp, zero = 1, 1, 3
+        tp, pp, zero = 1, 1, ZeroPolicy(stage=3)
     else:
         tp_limit = min(8, gpus_per_node)
         tp = largest_tp(tp_limit, *tp_dims) if tp_dims else tp_limit
@@ -115,7 +129,7 @@ def recommend(
                 if gpus is not None and gpus % (tp * pp * 2) != 0:
                     break
                 pp *= 2
-        zero = 1
+        zero = ZeroPolicy(stage=1)
     capped = cap(tp, pp)
     if gpus is not None and capped[0] * capped[1] > gpus:
         capped = (1, 1)
@@ -127,11 +141,52 @@ def recommend(
     if num_params > MEDIUM_MODEL_PARAMS:
         notes.append("for MoE models add expert parallelism (EP), not modelled here")
     dp = gpus // (tp * pp) if gpus is not None else None
-    if dp == 1 and zero > 0:
-        notes.append(f"dp=1: nothing to shard over data parallelism, so zero_stage=0 instead of {zero}")
-        zero = 0
-    return Recommendation(tp=tp, pp=pp, dp=dp, cp=1, zero_stage=zero, sp=tp > 1, schedule=Schedule.ONE_F_ONE_B,
+    if dp == 1 and zero.shards_optimizer:
+        notes.append(f"dp=1: nothing to shard over data parallelism, so zero_stage=0 instead of {zero.stage}")
+        zero = ZeroPolicy(stage=0)
+    return Recommendation(tp=tp, pp=pp, dp=dp, cp=1, zero=zero, sp=tp > 1, schedule=Schedule.ONE_F_ONE_B,
                           reason=reason, notes=tuple(notes))
+
+
+#: The nvme directory of the policy the rules look at: the plan counts bytes on the tier, not files, so any path does.
+_PLANNED_NVME_PATH = "<nvme_path>"
+
+
+def _headline(rule: Rule, values: dict[str, object]) -> str:
+    """A short title for a violated rule, in the planner's words: "PP with ZeRO-3", "sequence_parallel with tp=1"."""
+    words = []
+    for option in rule.options:
+        value = values.get(option)
+        if option in ("pp", "tp"):
+            words.append(option.upper() if value != 1 else f"{option}=1")
+        elif option == "zero_stage":
+            words.append(f"ZeRO-{value}")
+        else:
+            words.append(option if value is None or value is True else f"{option}={value}")
+    return " with ".join(words)
+
+
+def rule_warnings(
+    *,
+    zero: ZeroPolicy,
+    pp: int,
+    tp: int,
+    sp: bool = False,
+    offload_optimizer: Tier = Tier.NONE,
+    offload_params: Tier = Tier.NONE,
+    fp8: FP8Recipe | None = None,
+) -> list[str]:
+    """The rules of :mod:`lightning_v17.config_rules` the layout violates, each with the table's message and fix:
+    what ``V17Strategy`` would refuse to build (the planner still plans it, and warns)."""
+    tiers = (offload_optimizer, offload_params)
+    offload = OffloadPolicy(optimizer=offload_optimizer, params=offload_params,
+                            nvme_path=_PLANNED_NVME_PATH if Tier.NVME in tiers else None)  # fmt: skip
+    policy = TrainingPolicy(zero=zero, offload=offload, tensor_parallel=TPPolicy(sequence_parallel=bool(sp)),
+                            fp8=None if fp8 is None else FP8Policy(recipe=fp8))  # fmt: skip
+    values = {"pp": pp, "tp": tp, "zero_stage": zero.stage, "offload_params": offload.params.value,
+              "fp8": None if fp8 is None else FP8Recipe(fp8).value, "sequence_parallel": sp}  # fmt: skip
+    found = violations(RulesLayout(policy, pp=pp, tp=tp))
+    return [f"{_headline(rule, values)}: {text}" for rule, text in found]
 
 
 def anti_pattern_warnings(
@@ -141,23 +196,21 @@ def anti_pattern_warnings(
     dp: int,
     cp: int,
     sp: bool,
-    zero_stage: int,
+    zero: ZeroPolicy,
     gpus_per_node: int,
     microbatches: int,
     offload_params: Tier = Tier.NONE,
     offload_optimizer: Tier = Tier.NONE,
+    fp8: FP8Recipe | None = None,
 ) -> list[str]:
-    """Warnings for the layout's anti-patterns (seed §17.5, §10.7). Each names the fix."""
-    warnings: list[str] = []
+    """Warnings for the layout: the composition rules it violates (:func:`rule_warnings`), then its anti-patterns
+    (seed §17.5, §10.7). Each names the fix."""
+    warnings = rule_warnings(zero=zero, pp=pp, tp=tp, sp=sp, offload_optimizer=offload_optimizer,
+                             offload_params=offload_params, fp8=fp8)  # fmt: skip
     if tp > gpus_per_node:
         warnings.append(
             f"TP across nodes: tp={tp} > gpus_per_node={gpus_per_node}; TP's per-layer all-reduces need NVLink, "
             f"keep tp <= {gpus_per_node} (seed §17.5)"
-        )
-    if pp > 1 and zero_stage >= 2:
-        warnings.append(
-            f"PP with ZeRO-{zero_stage}: partitioned grads/params are reduced or gathered every micro-batch, "
-            f"across stages; use zero_stage=1 with pp>1 (seed §17.5)"
         )
     if pp > 1 and microbatches < 4 * pp:
         warnings.append(
@@ -169,15 +222,8 @@ def anti_pattern_warnings(
             f"small DP with a huge PP (dp={dp}, pp={pp}): the DP gradient all-reduce cannot hide in the bubble "
             f"(seed §17.5); trade pipeline stages for data parallelism"
         )
-    if sp and tp == 1:
-        warnings.append("sp has no effect with tp=1 (sequence parallelism shards along the TP group)")
-    if offload_params != Tier.NONE and zero_stage != 3:
-        warnings.append(
-            f"offload_params={offload_params.value} needs zero_stage=3 (ZeRO-Infinity offloads parameter shards); "
-            f"ignored at zero_stage={zero_stage}"
-        )
-    if zero_stage > 0 and dp * cp == 1:
-        warnings.append(f"zero_stage={zero_stage} with dp=1 shards nothing; ZeRO partitions over data parallelism")
+    if zero.shards_optimizer and dp * cp == 1:
+        warnings.append(f"zero_stage={zero.stage} with dp=1 shards nothing; ZeRO partitions over data parallelism")
     if cp > 1:
         warnings.append("cp>1 is modelled here but V17Strategy does not implement context parallelism yet (cp=1)")
     return warnings
@@ -210,4 +256,5 @@ __all__ = [
     "fit_warning",
     "largest_tp",
     "recommend",
+    "rule_warnings",
 ]

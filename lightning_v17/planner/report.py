@@ -63,8 +63,12 @@ def bar(value: float, largest: float, width: int = BAR_WIDTH) -> str:
     return "█" * n if n else "▏"
 
 
+#: Short names of the dtypes :class:`~lightning_v17.config.Precision` answers with, for the bars' labels.
+_SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
 def _dtype(precision: Precision) -> str:
-    return {Precision.FP32: "fp32", Precision.FP16_MIXED: "fp16"}.get(precision, "bf16")
+    return _SHORT_DTYPE[precision.compute_dtype]
 
 
 def _state_dtype(name: str, plan: Plan) -> str:
@@ -75,16 +79,15 @@ def _state_dtype(name: str, plan: Plan) -> str:
         return "int8"
     if lay.optimizer == OptimizerKind.ADAFACTOR:
         return "fact"
-    return "bf16" if lay.precision == Precision.BF16_TRUE else "fp32"
+    return "bf16" if lay.precision.state_bytes == 2 else "fp32"
 
 
 def bucket_rows(plan: Plan) -> list[tuple[str, int, str]]:
     """(label, bytes, tier) for each bar, in the seed's order (§1.5)."""
     m, lay = plan.memory, plan.layout
     dt = _dtype(lay.precision)
-    params_tier = lay.offload_params if lay.zero_stage == 3 else Tier.NONE
     grad_tier = Tier.CPU if lay.offload_optimizer != Tier.NONE else Tier.NONE
-    rows = [(f"param  ({dt})", m.param, params_tier.value), (f"grad   ({dt})", m.grad, grad_tier.value)]
+    rows = [(f"param  ({dt})", m.param, lay.params_tier.value), (f"grad   ({dt})", m.grad, grad_tier.value)]
     for name, nbytes in m.optimizer_parts:
         rows.append((f"{name:<6} ({_state_dtype(name, plan)})", nbytes, lay.offload_optimizer.value))
     rows.append(("activations", m.activation, "none"))
@@ -109,7 +112,7 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     out.append(f"cluster : {lay.gpus} x {acc.name} ({plan.nodes} node{'s' * (plan.nodes > 1)} x {gpn}), "
                f"{fmt_bytes(acc.memory_bytes)} and {fmt_rate(peak)} ({_dtype(lay.precision)}) per device")
     out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp} sp={'on' if lay.sp else 'off'} "
-               f"zero={lay.zero_stage} recompute={lay.recompute.value} | {lay.optimizer.value} {lay.precision.value}"
+               f"zero={lay.zero.stage} recompute={lay.recompute.value} | {lay.optimizer.value} {lay.precision.value}"
                f" | offload optimizer={lay.offload_optimizer.value} params={lay.offload_params.value}")
     out.append(f"batch   : micro-batch {lay.micro_batch} x seq {lay.seq}, m={lay.microbatches} micro-batches, "
                f"global batch {lay.global_batch} ({fmt_count(lay.global_batch * lay.seq)} tokens/step)")
@@ -126,7 +129,7 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
         mem.param_bytes_per_param(lay.precision) + mem.grad_bytes_per_param(lay.precision)
         + mem.optimizer_bytes_per_param(lay.optimizer, lay.precision))
     out.append(f"{'':<14} └── model state {fmt_bytes(m.model_state)}: {before:.4g} B/param, "
-               f"{m.model_state / slice_params:.3g} after ZeRO-{lay.zero_stage} over dp={lay.dp * lay.cp} "
+               f"{m.model_state / slice_params:.3g} after ZeRO-{lay.zero.stage} over dp={lay.dp * lay.cp} "
                f"(Ψ/(tp·pp) = {fmt_count(slice_params)})")
     t = m.tiers
     verdict = "fits" if plan.fits else "DOES NOT FIT"
@@ -170,7 +173,7 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
                        f"per rank with this layout ({fmt_bytes(max_model.gpu_bytes)} used)")
     out.append("")
     rec = plan.recommendation
-    out.append(f"recommendation: tp={rec.tp} pp={rec.pp} dp={rec.dp} zero={rec.zero_stage} "
+    out.append(f"recommendation: tp={rec.tp} pp={rec.pp} dp={rec.dp} zero={rec.zero.stage} "
                f"sp={'on' if rec.sp else 'off'} recompute={plan.recommended_recompute.value} "
                f"schedule={rec.schedule.value}")
     out.append(f"  why: {rec.reason}")
@@ -202,7 +205,7 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
             "peak_flops": acc.peak_flops_for(lay.precision),
         },
         "layout": {
-            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "sp": lay.sp, "zero_stage": lay.zero_stage,
+            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "sp": lay.sp, "zero_stage": lay.zero.stage,
             "recompute": lay.recompute.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
             "micro_batch": lay.micro_batch, "microbatches": lay.microbatches, "global_batch": lay.global_batch,
             "seq": lay.seq, "optimizer": lay.optimizer.value, "precision": lay.precision.value,
@@ -233,7 +236,7 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
         "checkpoint": {"write_s": plan.checkpoint_write_s, "mtbf_s": plan.cluster_mtbf_s,
                        "young_interval_s": plan.young_s, "daly_interval_s": plan.daly_s},
         "recommendation": {
-            "tp": rec.tp, "pp": rec.pp, "dp": rec.dp, "cp": rec.cp, "zero_stage": rec.zero_stage, "sp": rec.sp,
+            "tp": rec.tp, "pp": rec.pp, "dp": rec.dp, "cp": rec.cp, "zero_stage": rec.zero.stage, "sp": rec.sp,
             "recompute": plan.recommended_recompute.value, "schedule": rec.schedule.value, "reason": rec.reason,
             "notes": list(plan.notes), "warnings": list(plan.warnings),
         },

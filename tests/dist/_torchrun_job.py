@@ -109,7 +109,7 @@ def _pipeline_job(root: Path, raise_at: int, attempt: int) -> None:
     ``raise_at``; rank 0 is then inside the same schedule (a P2P receive)."""
     import lightning as L
 
-    from lightning_v17 import V17Strategy
+    from lightning_v17 import PipelinePolicy, V17Strategy
     from lightning_v17.data import PackedDataModule
     from lightning_v17.models.lightning import next_token_loss
     from tests.dist._torchrun_elastic_job import SEQ, documents, make_module
@@ -126,7 +126,8 @@ def _pipeline_job(root: Path, raise_at: int, attempt: int) -> None:
 
     module.pipeline_loss = pipeline_loss
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=V17Strategy(zero_stage=1, pp=2, microbatches=2), max_steps=STEPS,
+        accelerator="cpu", devices=2, max_steps=STEPS,
+        strategy=V17Strategy(zero_stage=1, pp=2, pipeline=PipelinePolicy(microbatches=2)),
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(module, datamodule=PackedDataModule(documents(), seq_len=SEQ, batch_size=2))  # rows of one length

@@ -31,7 +31,7 @@ def _worker(rank: int, world: int) -> dict:
     import lightning as L
     from lightning_v17.callbacks import BadStepGuard
 
-    from lightning_v17 import V17Strategy
+    from lightning_v17 import PipelinePolicy, V17Strategy
     from lightning_v17.models.lightning import next_token_loss
     from tests.dist._torchrun_elastic_job import make_module
 
@@ -53,7 +53,8 @@ def _worker(rank: int, world: int) -> dict:
     module.pipeline_loss = pipeline_loss
     guard = BadStepGuard(action="skip", patience=1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=V17Strategy(zero_stage=1, pp=2, microbatches=2), max_steps=STEPS,
+        accelerator="cpu", devices=2, max_steps=STEPS,
+        strategy=V17Strategy(zero_stage=1, pp=2, pipeline=PipelinePolicy(microbatches=2)),
         callbacks=[guard, Record()], logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip

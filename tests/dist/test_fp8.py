@@ -157,6 +157,7 @@ def _trainer_worker(rank: int, world: int) -> dict:
     import lightning as L
     from lightning_v17.strategies import V17Strategy
 
+    from lightning_v17.config import FP8Policy
     from tests._models import fit
 
     seen = []
@@ -181,7 +182,7 @@ def _trainer_worker(rank: int, world: int) -> dict:
                     scales_current.append(got is not None and bool((got == want).all()))
 
     calls = _count_scaled_mm()
-    strategy = V17Strategy(zero_stage=3, fp8="tensorwise", fp8_skip=["*.mlp.down_proj"])
+    strategy = V17Strategy(zero_stage=3, fp8=FP8Policy("tensorwise", skip=["*.mlp.down_proj"]))
     losses = fit("hf_llama", strategy, devices=2, batch_size=4, steps=3, layers=LAYERS, callbacks=(Rows(),))
     return {"losses": losses, "calls": len(calls), "fp8_layers": strategy.parallel.fp8_layers, "rows": seen,
             "gather8": strategy.parallel.fp8.float8_all_gather, "scales_current": scales_current}  # fmt: skip

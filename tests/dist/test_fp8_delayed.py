@@ -155,6 +155,8 @@ def _trainer(stage: int, max_steps: int, devices: int = 2, callbacks: tuple = ()
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_v17.strategies import V17Strategy
 
+    from lightning_v17.config import FP8Policy
+
     class Losses(L.Callback):
         def __init__(self) -> None:
             self.values: list[float] = []
@@ -163,7 +165,7 @@ def _trainer(stage: int, max_steps: int, devices: int = 2, callbacks: tuple = ()
             self.values.append(float(outputs["loss"]))
 
     rec = Losses()
-    strategy = V17Strategy(zero_stage=stage, fp8="delayed", fp8_amax_history_len=HISTORY)
+    strategy = V17Strategy(zero_stage=stage, fp8=FP8Policy("delayed", amax_history_len=HISTORY))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,

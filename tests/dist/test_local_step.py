@@ -78,9 +78,10 @@ def _fit(case: str, local: bool, rank: int) -> dict:
 
     import lightning as L
     import torch.distributed as dist
-    from lightning_v17.strategies import V17Strategy
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from tests._strategy import v17  # the cases' strategy options are flat dicts
 
     name, kw, skw = CASES[case]
     tp = skw.get("tp", 1)
@@ -126,7 +127,7 @@ def _fit(case: str, local: bool, rank: int) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer = L.Trainer(
-                accelerator="cpu", devices=WORLD, strategy=V17Strategy(**skw), max_steps=STEPS,
+                accelerator="cpu", devices=WORLD, strategy=v17(**skw), max_steps=STEPS,
                 use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False,
             )  # fmt: skip

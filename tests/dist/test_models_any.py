@@ -45,11 +45,11 @@ def _dp(kw: dict, world: int) -> int:
 
 
 def _configs_worker(rank: int, world: int, kind: str, configs: dict) -> dict:
-    from lightning_v17 import V17Strategy
+    from tests._strategy import v17  # the configurations are flat option dicts
 
     out = {"ddp": fit(kind, "ddp", devices=world, batch_size=ROWS_PER_STEP // world)}
     for name, kw in configs.items():
-        out[name] = fit(kind, V17Strategy(**kw), devices=world, batch_size=ROWS_PER_STEP // _dp(kw, world))
+        out[name] = fit(kind, v17(**kw), devices=world, batch_size=ROWS_PER_STEP // _dp(kw, world))
     return out
 
 

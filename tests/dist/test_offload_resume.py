@@ -28,7 +28,7 @@ def _run(rank: int, world: int, root: str, phase: str, params: str = "none") -> 
     import lightning as L
     from lightning_v17.callbacks import AsyncCheckpoint
 
-    from lightning_v17 import V17Strategy
+    from lightning_v17 import OffloadPolicy, V17Strategy
     from lightning_v17.engine.offload import offload_of
 
     torch.set_num_threads(1)
@@ -63,7 +63,7 @@ def _run(rank: int, world: int, root: str, phase: str, params: str = "none") -> 
     cb = AsyncCheckpoint(Path(root) / "ckpt", every_n_steps=EVERY, keep_last=3)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_steps=STEPS, callbacks=[cb, KillAfterStep()], logger=False,
-        strategy=V17Strategy(zero_stage=3, offload_optimizer="nvme", offload_params=params, nvme_path=str(nvme)),
+        strategy=V17Strategy(zero_stage=3, offload=OffloadPolicy(optimizer="nvme", params=params, nvme_path=str(nvme))),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(

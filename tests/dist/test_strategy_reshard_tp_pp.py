@@ -120,14 +120,14 @@ def _layout(kw: dict, world: int, rank: int) -> tuple[int, int]:
 def _worker(rank: int, world: int, root: str) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from lightning_v17.strategies import V17Strategy
+    from tests._strategy import v17  # the cases are flat option dicts
 
     out = {}
     for name, (save_kw, load_kw) in CASES.items():
         d = str(Path(root) / name)
-        saved = _fit(V17Strategy(**save_kw), world, SAVE_AT, _loader(*_layout(save_kw, world, rank)), ckpt_dir=d)
+        saved = _fit(v17(**save_kw), world, SAVE_AT, _loader(*_layout(save_kw, world, rank)), ckpt_dir=d)
         ckpt = str(Path(d) / "saved.ckpt")
-        loaded = _fit(V17Strategy(**load_kw), world, SAVE_AT + 1, _loader(*_layout(load_kw, world, rank)),
+        loaded = _fit(v17(**load_kw), world, SAVE_AT + 1, _loader(*_layout(load_kw, world, rank)),
                       ckpt_path=ckpt)  # fmt: skip
         out[name] = {"saved": saved["end"], "loaded": loaded["start"], "start_step": loaded["start_step"],
                      "after": loaded["end"]}  # fmt: skip

@@ -135,18 +135,18 @@ def _worker(rank: int, world_size: int) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from lightning_v17.strategies import V17Strategy
+    from tests._strategy import v17  # the cases are flat option dicts
 
-    out = {name: _fit(V17Strategy(**kw), 2) for name, kw in CASES.items() if name != "tp2_zero3_sp_vocab_loss"}
+    out = {name: _fit(v17(**kw), 2) for name, kw in CASES.items() if name != "tp2_zero3_sp_vocab_loss"}
     out["layouts"] = {}
-    out["tp2_zero3_sp_vocab_loss"] = _fit(V17Strategy(**CASES["tp2_zero3_sp_vocab_loss"]), 2, layouts=out["layouts"])
-    out.update({name: _fit(V17Strategy(**kw), 2, layers=4) for name, kw in SCHEDULE_CASES.items()})
+    out["tp2_zero3_sp_vocab_loss"] = _fit(v17(**CASES["tp2_zero3_sp_vocab_loss"]), 2, layouts=out["layouts"])
+    out.update({name: _fit(v17(**kw), 2, layers=4) for name, kw in SCHEDULE_CASES.items()})
     for name, kw in FP16_CASES.items():
-        out[name] = _fit(V17Strategy(**kw, config=FP16), 2, clip=None)
-    out["pp2_zero1_accumulate2"] = _fit(V17Strategy(**CASES["pp2_zero1"]), 2, clip=None, accumulate=2)
+        out[name] = _fit(v17(**kw, config=FP16), 2, clip=None)
+    out["pp2_zero1_accumulate2"] = _fit(v17(**CASES["pp2_zero1"]), 2, clip=None, accumulate=2)
     for name, kw in BF16_CASES.items():
         seen: set[str] = set()
-        out[name] = _fit(V17Strategy(**kw), 2, precision="bf16-mixed", dtypes=seen)
+        out[name] = _fit(v17(**kw), 2, precision="bf16-mixed", dtypes=seen)
         out[name + "_dtypes"] = sorted(seen)
     return out
 
@@ -213,7 +213,7 @@ def test_strategy_errors_name_the_option_and_the_fix() -> None:
     that V17Strategy._setup_model runs before anything is split or sharded."""
     from lightning_v17.strategies import V17Strategy
 
-    from lightning_v17.config import PipelinePolicy, V17ConfigError
+    from lightning_v17.config import PipelinePolicy, TPPolicy, V17ConfigError
     from lightning_v17.engine.pipeline import split_model
     from lightning_v17.models import LlamaLM
     from lightning_v17.models.pp_layouts import model_pipeline_layout
@@ -235,14 +235,14 @@ def test_strategy_errors_name_the_option_and_the_fix() -> None:
     with pytest.raises(V17ConfigError, match=r"8 pipeline stages but the model has only 4 blocks.*lower pp"):
         policy = PipelinePolicy(schedule="interleaved_1f1b", virtual_stages=2)
         split_model(lm, layout=model_pipeline_layout(lm), pp_rank=0, pp=4, policy=policy)
-    for option in ({"sequence_parallel": True}, {"tp_plan": {"model.x": "colwise"}}, {"vocab_parallel": True},
+    for option in ({"sequence_parallel": True}, {"plan": {"model.x": "colwise"}}, {"vocab_parallel": True},
                    {"loss_parallel": True}):  # accepted but unusable  # fmt: skip
         with pytest.raises(V17ConfigError, match="applies only with tp > 1"):
-            V17Strategy(**option)
+            V17Strategy(tensor_parallel=TPPolicy(**option))
     with pytest.raises(V17ConfigError, match="applies only with pp > 1"):
-        V17Strategy(pp_split_points=["model.layers.2"])
+        V17Strategy(pipeline=PipelinePolicy(split_points=["model.layers.2"]))
     with pytest.raises(V17ConfigError, match=r"loss_parallel=True with pp=2 is not supported.*use loss_parallel with pp=1"):
-        V17Strategy(pp=2, tp=2, zero_stage=1, loss_parallel=True)
+        V17Strategy(pp=2, tp=2, zero_stage=1, tensor_parallel=TPPolicy(loss_parallel=True))
 
 
 @pytest.mark.timeout(400)

@@ -66,6 +66,8 @@ def _fit(case: dict, tmp: str) -> dict:
     from lightning_v17.strategies import V17Strategy
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+    from lightning_v17.config import ZeroPolicy
+
     make_opt = OPTIMIZERS[case["opt"]]
 
     class Lit(_lit_cls(make_opt)):
@@ -82,7 +84,7 @@ def _fit(case: dict, tmp: str) -> dict:
     loader = DataLoader(ds, batch_size=PER_RANK_BATCH, sampler=sampler)
 
     def trainer(max_steps: int) -> L.Trainer:
-        strategy = V17Strategy(zero_stage=case["stage"], optimizer_partition=case.get("partition", "auto"))
+        strategy = V17Strategy(zero=ZeroPolicy(stage=case["stage"], optimizer_partition=case.get("partition", "auto")))
         return L.Trainer(
             accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=max_steps, use_distributed_sampler=False,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

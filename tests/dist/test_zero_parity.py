@@ -183,6 +183,8 @@ def _fit(case: dict) -> dict:
     from lightning_v17.strategies import V17Strategy
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+    from lightning_v17.config import OffloadPolicy, ZeroPolicy
+
     accum = case.get("accum", 1)
     model = _lit_cls()(dropout=case.get("dropout", 0.0))
     x, y = make_data(STEPS * accum * WORLD * PER_RANK_BATCH)
@@ -194,11 +196,10 @@ def _fit(case: dict) -> dict:
     )
     loader = DataLoader(ds, batch_size=PER_RANK_BATCH, sampler=sampler)
     strategy = V17Strategy(
-        zero_stage=case["stage"],
+        zero=ZeroPolicy(stage=case["stage"], bucket_mb=case.get("bucket_mb", 25.0)),
         activation_checkpointing=case.get("recompute", "none"),
         dp_replicate=case.get("dp_replicate", 1),
-        bucket_mb=case.get("bucket_mb", 25.0),
-        offload_params=case.get("offload_params", "none"),
+        offload=OffloadPolicy(params=case.get("offload_params", "none")),
     )
     torch.manual_seed(99)  # dropout masks: same stream for every case on this rank
     trainer = L.Trainer(
@@ -360,10 +361,12 @@ def test_bf16_mixed_parity(results: list[dict], stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_matches_planner(results: list[dict], stage: int) -> None:
+    from lightning_v17.config import ZeroPolicy
+
     memory = pytest.importorskip("lightning_v17.planner.memory", reason="planner.memory not written yet")
     num_params = sum(p.numel() for p in make_model().parameters())
     want = memory.model_state_bytes_per_rank(
-        num_params, zero_stage=stage, dp=WORLD, param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0
+        num_params, zero=ZeroPolicy(stage=stage), dp=WORLD, param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0
     )
     for rank, res in enumerate(results):
         got = res[f"s{stage}"]["memory"]

@@ -187,13 +187,12 @@ def _v17_nccl_worker(rank: int, world_size: int) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from lightning_v17.strategies import V17Strategy
-
+    from tests._strategy import v17  # flat option dicts
     from tests.dist.test_strategy_tp_pp import _fit
 
     cases = {"zero3": {"zero_stage": 3}, "tp2_zero3": {"tp": 2, "zero_stage": 3},
              "pp2_zero1": {"pp": 2, "zero_stage": 1, "microbatches": 2}}  # fmt: skip
-    return {name: _fit(V17Strategy(**kw), 2, accelerator="gpu") for name, kw in cases.items()}
+    return {name: _fit(v17(**kw), 2, accelerator="gpu") for name, kw in cases.items()}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL between two ranks)")

@@ -85,7 +85,7 @@ def test_recipe_is_the_planners_fitting_recommendation(name):
     pinned = {"tp", "pp", "dp", "cp", "zero_stage", "recompute", "schedule", "virtual_stages", "microbatches"}
     assert not [k for k in pinned if getattr(args, k) is not None], f"{name}: the command pins the layout"
     lay, rec = plan.layout, plan.recommendation
-    assert (lay.tp, lay.pp, lay.dp, lay.zero_stage) == (rec.tp, rec.pp, rec.dp, rec.zero_stage)
+    assert (lay.tp, lay.pp, lay.dp, lay.zero.stage) == (rec.tp, rec.pp, rec.dp, rec.zero.stage)
     assert lay.recompute == plan.recommended_recompute
     # it fits: per-rank device bytes within the accelerator's memory, with no warnings
     assert plan.fits and plan.memory.tiers.gpu <= plan.cluster.accelerator.memory_bytes

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_v17.config import Precision, Recompute, V17ConfigError
+from lightning_v17.config import OffloadPolicy, Precision, Recompute, V17ConfigError, ZeroPolicy
 from lightning_v17.deepspeed_config import from_deepspeed_config
 
 DS = {
@@ -112,7 +112,7 @@ def test_unreadable_file_names_it(tmp_path) -> None:
 def test_strategy_parses_options_and_config_precedence() -> None:
     from lightning_v17.strategies import V17Strategy
 
-    s = V17Strategy(zero_stage=2, activation_checkpointing="selective", wrap_classes=["Block"])
+    s = V17Strategy(zero=ZeroPolicy(stage=2, wrap_classes=["Block"]), activation_checkpointing="selective")
     assert s.policy.zero.stage == 2 and s.policy.recompute == Recompute.SELECTIVE
     assert s.policy.zero.wrap_classes == ("Block",)
     # config fills what the constructor left at its default; an explicit non-default argument wins
@@ -137,7 +137,7 @@ def test_strategy_bad_inputs_name_the_option() -> None:
     with pytest.raises(RuntimeError, match="not built yet"):
         V17Strategy().mesh  # noqa: B018
     with pytest.raises(V17ConfigError, match="zero_stage=3"):
-        V17Strategy(zero_stage=2, offload_params="cpu")
+        V17Strategy(zero_stage=2, offload=OffloadPolicy(params="cpu"))
 
 
 def test_registry_aliases() -> None:

@@ -218,7 +218,7 @@ def test_every_strategy_argument_and_policy_field_is_listed_on_a_docs_page() -> 
     unlisted = [f"V17Strategy({n}=)" for n in arguments if n not in first_column]
     any_column = _table_cells(None)
     for policy in (config.MeshSpec, config.ZeroPolicy, config.OffloadPolicy, config.PipelinePolicy,
-                   config.FP8Policy, config.LossScalePolicy):  # fmt: skip
+                   config.TPPolicy, config.FP8Policy, config.LossScalePolicy):  # fmt: skip
         unlisted += [f"{policy.__name__}.{f.name}" for f in dataclasses.fields(policy) if f.name not in any_column]
     assert not unlisted, "options no docs page lists (one line each, in an options table):\n" + "\n".join(unlisted)
 

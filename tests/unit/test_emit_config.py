@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_v17.config import MeshSpec, Tier, V17ConfigError
+from lightning_v17.config import MeshSpec, OffloadPolicy, Tier, V17ConfigError
 from lightning_v17.planner.cli import build_parser, main, specs_from_args
 from lightning_v17.planner.emit import (
     IMPLEMENTED_OFFLOAD_OPTIMIZER,
@@ -62,9 +62,9 @@ def _assert_matches_plan(doc: dict, plan) -> None:
     world = trainer["devices"] * trainer["num_nodes"]
     assert world == lay.gpus
     assert strategy.resolve_mesh(world) == MeshSpec(pp=lay.pp, dp_replicate=1, dp_shard=lay.dp, cp=1, tp=lay.tp)
-    assert strategy.zero_stage == lay.zero_stage
+    assert strategy.zero_stage == lay.zero.stage
     assert strategy.policy.recompute == lay.recompute
-    assert strategy.policy.sequence_parallel == (lay.sp and lay.tp > 1)
+    assert strategy.policy.tensor_parallel.sequence_parallel == (lay.sp and lay.tp > 1)
     if lay.pp > 1:
         pipe = strategy.policy.pipeline
         assert (pipe.schedule, pipe.microbatches, pipe.virtual_stages) == (lay.schedule, lay.microbatches,
@@ -82,9 +82,8 @@ def test_tiny_cpu_plan_emits_the_recommended_layout(tmp_path):
     text, doc = _emit(tmp_path, TINY)
     plan = _plan(TINY)
     _assert_matches_plan(doc, plan)
-    assert doc["trainer"]["strategy"]["init_args"] == {
-        "zero_stage": 3, "tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 2, "sequence_parallel": False,
-        "activation_checkpointing": "none",
+    assert doc["trainer"]["strategy"]["init_args"] == {  # tp=1, pp=1: no tensor_parallel or pipeline policy
+        "zero_stage": 3, "tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 2, "activation_checkpointing": "none",
     }  # fmt: skip
     assert (doc["trainer"]["devices"], doc["trainer"]["num_nodes"], doc["trainer"]["precision"]) == (2, 1, "32-true")
     assert doc["model"] == {"model": "tiny"}
@@ -120,19 +119,20 @@ def test_interleaved_and_accumulation_details(tmp_path):
     _, doc = _emit(tmp_path, ["--model", "llama3-70b", "--gpus", "256", "--tp", "4", "--pp", "4", "--schedule",
                               "interleaved", "--microbatches", "8"])  # fmt: skip
     args = doc["trainer"]["strategy"]["init_args"]
-    assert (args["pp_schedule"], args["virtual_stages"], args["microbatches"]) == ("interleaved_1f1b", 2, 8)
+    pipe = args["pipeline"]
+    assert (pipe["schedule"], pipe["virtual_stages"], pipe["microbatches"]) == ("interleaved_1f1b", 2, 8)
     assert doc["data"]["batch_size"] == 8 and "accumulate_grad_batches" not in doc["trainer"]
     _, doc = _emit(tmp_path, ["--model", "llama3-8b", "--gpus", "16", "--global-batch", "64"])
     assert doc["trainer"]["accumulate_grad_batches"] == 4 and doc["data"]["batch_size"] == 1
-    assert "pp_schedule" not in doc["trainer"]["strategy"]["init_args"]  # pp=1: the strategy would warn
+    assert "pipeline" not in doc["trainer"]["strategy"]["init_args"]  # pp=1: the strategy would warn
 
 
 @pytest.mark.parametrize(
     ("flags", "missing", "comment"),
     [
-        (["--offload-optimizer", "cpu"], "offload_optimizer", "NOT EMITTED: offload_optimizer='cpu'"),
-        (["--zero-stage", "3", "--offload-params", "nvme"], "offload_params", "NOT EMITTED: offload_params='nvme'"),
-        (["--zero-stage", "2", "--offload-params", "cpu"], "offload_params", "needs zero_stage=3"),
+        (["--offload-optimizer", "cpu"], "offload", "NOT EMITTED: offload_optimizer='cpu'"),
+        (["--zero-stage", "3", "--offload-params", "nvme"], "offload", "NOT EMITTED: offload_params='nvme'"),
+        (["--zero-stage", "2", "--offload-params", "cpu"], "offload", "needs zero_stage=3"),
     ],
 )
 def test_unimplemented_offload_is_a_comment_not_an_option(tmp_path, flags, missing, comment):
@@ -147,10 +147,10 @@ def test_implemented_offload_tiers_match_the_strategy(tier):
     """emit.py's sets are what V17Strategy really accepts (no drift when the strategy gains a tier)."""
     from lightning_v17.strategies import V17Strategy
 
-    for option, implemented in (("offload_optimizer", IMPLEMENTED_OFFLOAD_OPTIMIZER),
-                                ("offload_params", IMPLEMENTED_OFFLOAD_PARAMS)):  # fmt: skip
+    for option, implemented in (("optimizer", IMPLEMENTED_OFFLOAD_OPTIMIZER),
+                                ("params", IMPLEMENTED_OFFLOAD_PARAMS)):  # fmt: skip
         try:
-            V17Strategy(zero_stage=3, **{option: tier.value})
+            V17Strategy(zero_stage=3, offload=OffloadPolicy(**{option: tier.value}))
             accepted = True
         except V17ConfigError:
             accepted = False

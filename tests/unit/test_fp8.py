@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_v17.config import FP8Backend, FP8Policy, V17ConfigError
+from lightning_v17.config import FP8Backend, FP8Policy, V17ConfigError, ZeroPolicy
 from lightning_v17.engine.fp8 import apply_fp8, resolve_fp8_backend, select_fp8_linears
 from lightning_v17.engine.fsdp import find_wrap_units
 
@@ -180,9 +180,10 @@ def test_a_first_linear_whose_input_needs_no_grad_still_runs_three_gemms(monkeyp
 
 
 def _strategy(**kw):
-    from lightning_v17.strategies import V17Strategy
+    """V17Strategy from the flat fp8 options (``fp8_backend=``, ``fp8_skip=``, ...: ``FP8Policy.from_options``)."""
+    from tests._strategy import v17
 
-    return V17Strategy(**kw)
+    return v17(**kw)
 
 
 def test_strategy_options_parse_once_into_a_frozen_policy():
@@ -215,10 +216,11 @@ def test_fp8_options_all_gather_and_history_len_parse_or_are_refused_with_the_fi
     from lightning_v17.engine.fp8 import float8_config
 
     tw, rw = _strategy(fp8="tensorwise").policy.fp8, _strategy(fp8="rowwise").policy.fp8
-    assert tw.float8_all_gather(zero_stage=3) and not tw.float8_all_gather(zero_stage=1)  # auto: tensorwise at ZeRO-3
-    assert not rw.float8_all_gather(zero_stage=3)
+    z1, z3 = ZeroPolicy(stage=1), ZeroPolicy(stage=3)
+    assert tw.float8_all_gather(zero=z3) and not tw.float8_all_gather(zero=z1)  # auto: tensorwise at ZeRO-3
+    assert not rw.float8_all_gather(zero=ZeroPolicy(stage=3))
     off = _strategy(fp8="tensorwise", fp8_all_gather=False).policy.fp8
-    assert not off.float8_all_gather(zero_stage=3)
+    assert not off.float8_all_gather(zero=ZeroPolicy(stage=3))
     assert float8_config(tw, all_gather=True).enable_fsdp_float8_all_gather
     assert not float8_config(tw).enable_fsdp_float8_all_gather
     with pytest.raises(V17ConfigError, match=r"fp8_all_gather=True needs fp8='tensorwise' \(got fp8='rowwise'\)"):
@@ -229,7 +231,7 @@ def test_fp8_options_all_gather_and_history_len_parse_or_are_refused_with_the_fi
         _strategy(fp8_all_gather=True)
     d = _strategy(fp8="delayed", fp8_amax_history_len=4).policy.fp8
     assert d.history_len == 4 and _strategy(fp8="delayed").policy.fp8.history_len == 16
-    assert not d.float8_all_gather(zero_stage=3)
+    assert not d.float8_all_gather(zero=ZeroPolicy(stage=3))
     with pytest.raises(V17ConfigError, match=r"fp8_amax_history_len=4 applies only to fp8='delayed'"):
         _strategy(fp8="tensorwise", fp8_amax_history_len=4)
     with pytest.raises(V17ConfigError, match=r"fp8_amax_history_len=0 must be a positive integer"):

@@ -148,6 +148,8 @@ def test_offload_policy_values() -> None:
 def test_strategy_refuses_before_training(tmp_path) -> None:
     from lightning_v17.strategies import V17Strategy
 
+    from tests._strategy import v17  # the cases are flat option dicts
+
     cases = [
         ({"offload_optimizer": "nvme"}, r"needs nvme_path="),
         ({"offload_optimizer": "nvme", "nvme_path": str(tmp_path / "nope")}, r"nvme_path=.* does not exist"),
@@ -159,12 +161,13 @@ def test_strategy_refuses_before_training(tmp_path) -> None:
     ]  # fmt: skip
     for kw, match in cases:
         with pytest.raises(V17ConfigError, match=match):
-            V17Strategy(**kw)
+            v17(**kw)
     for stage in (1, 2, 3):
-        s = V17Strategy(zero_stage=stage, offload_optimizer="nvme", nvme_path=str(tmp_path),
-                        offload_optimizer_ratio=0.5)  # fmt: skip
+        s = V17Strategy(zero_stage=stage, offload=OffloadPolicy(optimizer="nvme", nvme_path=str(tmp_path),
+                                                                optimizer_ratio=0.5))  # fmt: skip
         assert (s.policy.offload.optimizer, s.policy.offload.optimizer_ratio) == (Tier.NVME, 0.5)
-        assert V17Strategy(zero_stage=stage, offload_optimizer="cpu").policy.offload.optimizer == Tier.CPU
+        cpu = V17Strategy(zero_stage=stage, offload=OffloadPolicy(optimizer="cpu"))
+        assert cpu.policy.offload.optimizer == Tier.CPU
     assert not list(tmp_path.iterdir())  # construction creates no files (each rank does, at setup)
 
 
@@ -223,6 +226,7 @@ def test_param_offload_refused_before_training(tmp_path) -> None:
 
     from lightning_v17.config import FP8Policy, TrainingPolicy
     from lightning_v17.engine.parallelize import check_composition
+    from tests._strategy import v17  # the cases are flat option dicts
 
     cases = [
         ({"zero_stage": 2, "offload_params": "nvme", "nvme_path": str(tmp_path)},
@@ -233,8 +237,8 @@ def test_param_offload_refused_before_training(tmp_path) -> None:
     ]  # fmt: skip
     for kw, match in cases:
         with pytest.raises(V17ConfigError, match=match):
-            V17Strategy(**kw)
-    s = V17Strategy(zero_stage=3, offload_params="nvme", nvme_path=str(tmp_path))
+            v17(**kw)
+    s = V17Strategy(zero_stage=3, offload=OffloadPolicy(params="nvme", nvme_path=str(tmp_path)))
     assert s.policy.offload.params == Tier.NVME and s.policy.offload.optimizer == Tier.NONE
     offload = OffloadPolicy(params="nvme", nvme_path=str(tmp_path))
     check_composition(TrainingPolicy(offload=offload), pp=1, tp=1)  # accepted

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_v17.config import PipelinePolicy, V17ConfigError
+from lightning_v17.config import PipelinePolicy, V17ConfigError, ZeroPolicy
 from lightning_v17.engine.pipeline import (
     PipelineLayout,
     PipelineLoss,
@@ -124,11 +124,11 @@ def test_split_points_user_and_errors():
 
 
 def test_pp_with_zero3_is_refused_with_the_reason():
-    check_pipeline_composition(pp=2, zero_stage=1)
-    check_pipeline_composition(pp=1, zero_stage=3)
+    check_pipeline_composition(pp=2, zero=ZeroPolicy(stage=1))
+    check_pipeline_composition(pp=1, zero=ZeroPolicy(stage=3))
     for stage in (2, 3):
         with pytest.raises(V17ConfigError, match=r"entangle across stages.*set zero_stage=1") as e:
-            check_pipeline_composition(pp=2, zero_stage=stage)
+            check_pipeline_composition(pp=2, zero=ZeroPolicy(stage=stage))
         assert f"zero_stage={stage}" in str(e.value) and "ZeRO-1" in str(e.value)
 
 

@@ -198,7 +198,7 @@ def test_recommend_picks_a_tp_that_divides_heads_and_tiles_the_node():
 
     # 12 heads: divisors of 8 that divide 12 and ffn 3072 are {1, 2, 4} -> tp=4; 20B is in the 10-100B branch
     rec = recommend(20e9, gpus=64, gpus_per_node=8, nvlink=True, layers=40, tp_dims=(12, 12, 3072))
-    assert (rec.tp, rec.pp, rec.dp, rec.zero_stage) == (4, 4, 4, 1)
+    assert (rec.tp, rec.pp, rec.dp, rec.zero.stage) == (4, 4, 4, 1)
     assert any("tp=8 does not divide" in n for n in rec.notes)
 
 

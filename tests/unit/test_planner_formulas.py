@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_v17.config import Precision, Recompute, Schedule, Tier
+from lightning_v17.config import Precision, Recompute, Schedule, Tier, ZeroPolicy
 from lightning_v17.planner.comm import (
     cp_comm_bytes_per_layer,
     dp_comm_bytes,
@@ -33,17 +33,18 @@ def _total(collectives):
 def test_dp_comm_zero_section7():
     # Ψ = 1e9 elements, dp = 8 -> ring fraction 7/8; 2-byte grads/params.
     # stage 0: all-reduce 2Ψ * 7/8 * 2 B = 3.5e9
-    assert _total(dp_comm_bytes(1e9, zero_stage=0, dp=8)) == 3_500_000_000
+    assert _total(dp_comm_bytes(1e9, zero=ZeroPolicy(stage=0), dp=8)) == 3_500_000_000
     # stage 1: reduce-scatter Ψ*7/8*2 = 1.75e9 + all-gather 1.75e9 = 3.5e9, same as DDP (ZeRO §7.2.1)
-    assert [c.bytes_per_step for c in dp_comm_bytes(1e9, zero_stage=1, dp=8)] == [1_750_000_000, 1_750_000_000]
+    stage1 = dp_comm_bytes(1e9, zero=ZeroPolicy(stage=1), dp=8)
+    assert [c.bytes_per_step for c in stage1] == [1_750_000_000, 1_750_000_000]
     # stage 3: all-gather fwd + bwd 2Ψ*7/8*2 = 3.5e9 + reduce-scatter 1.75e9 = 5.25e9 = 1.5x DDP (ZeRO §7.2.2)
-    assert _total(dp_comm_bytes(1e9, zero_stage=3, dp=8)) == 5_250_000_000
+    assert _total(dp_comm_bytes(1e9, zero=ZeroPolicy(stage=3), dp=8)) == 5_250_000_000
     # stage 2 with 4 micro-batches: reduce-scatter per micro-batch 4 * 1.75e9 = 7e9 + one all-gather 1.75e9
-    assert _total(dp_comm_bytes(1e9, zero_stage=2, dp=8, grad_accum_steps=4)) == 8_750_000_000
+    assert _total(dp_comm_bytes(1e9, zero=ZeroPolicy(stage=2), dp=8, grad_accum_steps=4)) == 8_750_000_000
     # stage 1 with 4 micro-batches: unchanged (grads accumulate locally, one reduction per step)
-    assert _total(dp_comm_bytes(1e9, zero_stage=1, dp=8, grad_accum_steps=4)) == 3_500_000_000
+    assert _total(dp_comm_bytes(1e9, zero=ZeroPolicy(stage=1), dp=8, grad_accum_steps=4)) == 3_500_000_000
     # one rank communicates nothing
-    assert _total(dp_comm_bytes(1e9, zero_stage=0, dp=1)) == 0
+    assert _total(dp_comm_bytes(1e9, zero=ZeroPolicy(stage=0), dp=1)) == 0
 
 
 def test_tp_pp_cp_comm():
@@ -128,15 +129,15 @@ def test_offload_tiers_and_traffic():
                    offload_optimizer=Tier.NVME, offload_params=Tier.CPU)
     assert (t.gpu, t.cpu, t.nvme) == (45, 30, 30)
     # ZeRO-Offload: 1e9-param partition, stage 1: grads down 1e9*2 + params up 1e9*2 = 4e9 over PCIe
-    tr = offload_traffic_bytes(optimizer_partition_params=1e9, param_partition_params=1e9, zero_stage=1,
+    tr = offload_traffic_bytes(optimizer_partition_params=1e9, param_partition_params=1e9, zero=ZeroPolicy(stage=1),
                                grad_accum_steps=4, offload_optimizer=Tier.CPU)
     assert (tr.pcie_bytes, tr.nvme_bytes) == (4_000_000_000, 0)
     # stage 2 sends grads every micro-batch: 4*2e9 + 2e9 = 10e9; NVMe optimizer reads+writes K=12: 2*12*1e9 = 24e9
-    tr = offload_traffic_bytes(optimizer_partition_params=1e9, param_partition_params=1e9, zero_stage=2,
+    tr = offload_traffic_bytes(optimizer_partition_params=1e9, param_partition_params=1e9, zero=ZeroPolicy(stage=2),
                                grad_accum_steps=4, offload_optimizer=Tier.NVME)
     assert (tr.pcie_bytes, tr.nvme_bytes) == (10_000_000_000, 24_000_000_000)
     # ZeRO-3 params on CPU: fwd + bwd per micro-batch: 2 * 4 * 1e9 * 2 B = 16e9
-    tr = offload_traffic_bytes(optimizer_partition_params=1e9, param_partition_params=1e9, zero_stage=3,
+    tr = offload_traffic_bytes(optimizer_partition_params=1e9, param_partition_params=1e9, zero=ZeroPolicy(stage=3),
                                grad_accum_steps=4, offload_params=Tier.CPU)
     assert tr.pcie_bytes == 16_000_000_000
     # 16e9 B over 25 GB/s = 0.64 s

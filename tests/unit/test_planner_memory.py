@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule
+from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, ZeroPolicy
 from lightning_v17.planner.memory import (
     ModelStateBytes,
     activation_bytes_first_stage,
@@ -31,7 +31,7 @@ from lightning_v17.planner.memory import (
 )
 def test_zero_fig1(stage, expected_bytes, published_gb):
     """ZeRO (Rajbhandari 2020) Fig. 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120 / 31.4 / 16.6 / 1.88 GB (GB = 1e9)."""
-    state = model_state_bytes_per_rank(7.5e9, zero_stage=stage, dp=64)
+    state = model_state_bytes_per_rank(7.5e9, zero=ZeroPolicy(stage=stage), dp=64)
     assert state.total == expected_bytes
     assert round(state.total / 1e9, 2 if published_gb < 10 else 1) == published_gb
     assert state.total == state.param + state.grad + state.optimizer
@@ -39,14 +39,14 @@ def test_zero_fig1(stage, expected_bytes, published_gb):
 
 def test_model_state_divides_by_tp_pp_first():
     # Ψ = 8e9 / (tp=2 * pp=2) = 2e9; ZeRO-1 over dp=4: param 2*2e9 = 4e9, grad 4e9, optimizer 12*2e9/4 = 6e9
-    assert model_state_bytes_per_rank(8e9, zero_stage=1, dp=4, tp=2, pp=2) == ModelStateBytes(
+    assert model_state_bytes_per_rank(8e9, zero=ZeroPolicy(stage=1), dp=4, tp=2, pp=2) == ModelStateBytes(
         param=4_000_000_000, grad=4_000_000_000, optimizer=6_000_000_000, total=14_000_000_000)
 
 
 def test_model_state_fp32_adamw_and_rounding_up():
     # fp32 AdamW: 4 + 4 + 8 bytes; 1000 params, ZeRO-2 over dp=3: param 4000, grad ceil(4000/3) = 1334,
     # optimizer ceil(8000/3) = 2667 -> total 8001
-    s = model_state_bytes_per_rank(1000, zero_stage=2, dp=3, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    s = model_state_bytes_per_rank(1000, zero=ZeroPolicy(stage=2), dp=3, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
     assert (s.param, s.grad, s.optimizer, s.total) == (4000, 1334, 2667, 8001)
 
 
@@ -115,8 +115,8 @@ def test_temporary_buffers():
     # ZeRO-3: unit 1000 params over tp=2 -> 500; gathered current + prefetched 500*2*2 = 2000, unsharded grad 500*2
     assert zero3_gather_bytes(1000, tp=2, param_bytes=2, grad_bytes=2) == 3000
     # ZeRO-1/2 reduce bucket: 25 MiB = 25 * 1,048,576 = 26,214,400; stage 0 and 3: none
-    assert grad_bucket_bytes(zero_stage=2) == 26_214_400
-    assert grad_bucket_bytes(zero_stage=0) == grad_bucket_bytes(zero_stage=3) == 0
+    assert grad_bucket_bytes(zero=ZeroPolicy(stage=2)) == 26_214_400
+    assert grad_bucket_bytes(zero=ZeroPolicy(stage=0)) == grad_bucket_bytes(zero=ZeroPolicy(stage=3)) == 0
     # fp32 logits: 4 * 8192 * 128256 / 8 = 525,336,576
     assert logits_bytes(seq=8192, micro_batch=1, vocab=128256, tp=8) == 525_336_576
 

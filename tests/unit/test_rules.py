@@ -12,7 +12,9 @@ from lightning_v17.config_rules import RULES, Layout, violations
 
 
 def _example(rule, tmp_path) -> dict:
-    return {k: (str(tmp_path) if k == "nvme_path" else v) for k, v in rule.example.items()}
+    """The rule's example, an nvme_path (inside a policy's dict) pointed at ``tmp_path``."""
+    return {k: ({**v, "nvme_path": str(tmp_path)} if isinstance(v, dict) and "nvme_path" in v else v)
+            for k, v in rule.example.items()}  # fmt: skip
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])

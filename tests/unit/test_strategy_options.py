@@ -1,11 +1,24 @@
-"""V17Strategy's options: flat arguments (Lightning CLI) or policy objects (Python), parsed once; options that cannot
-apply are refused, not ignored; and the one schedule table that the policy, the planner and the engine read."""
+"""V17Strategy's arguments: the axis sizes, one policy object per concern (or the dict of its fields, the YAML
+spelling) and two DeepSpeed-familiar shortcuts, parsed once with given > config > default; options that cannot apply
+are refused or warned about, not ignored; and the one schedule table that the policy, the planner and the engine
+read."""
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 
-from lightning_v17.config import OffloadPolicy, PipelinePolicy, Schedule, V17ConfigError, ZeroPolicy
+from lightning_v17.config import (
+    FP8Policy,
+    OffloadPolicy,
+    PipelinePolicy,
+    Schedule,
+    TPPolicy,
+    V17ConfigError,
+    ZeroPolicy,
+)
 from lightning_v17.planner.schedules import SCHEDULES, Placement, schedule_info
 
 
@@ -15,36 +28,91 @@ def _strategy(**kw):
     return V17Strategy(**kw)
 
 
-def test_policy_objects_are_accepted_and_equal_the_flat_arguments():
+def _warnings(*calls) -> list[str]:
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for call in calls:
+            call()
+    return [str(w.message) for w in rec if "V17Strategy:" in str(w.message)]
+
+
+def test_the_front_door_is_axes_policies_and_the_process_group():
+    from lightning_v17.strategies import V17Strategy
+
+    params = inspect.signature(V17Strategy.__init__).parameters
+    names = [n for n in params if n != "self"]
+    assert names == [
+        "zero_stage", "activation_checkpointing", "dp_replicate", "dp_shard", "tp", "pp", "cp", "zero", "offload",
+        "pipeline", "tensor_parallel", "fp8", "config", "process_group_backend", "timeout", "hang_timeout",
+    ]  # fmt: skip
+    assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params.values())
+    # Lightning's plumbing is set by the Trainer's accelerator connector through the property setters
+    import torch
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.plugins.precision import Precision
+
+    s = V17Strategy()
+    s.accelerator, s.parallel_devices = CPUAccelerator(), [torch.device("cpu")] * 2
+    s.cluster_environment, s.precision_plugin = LightningEnvironment(), Precision()
+    assert (s.num_processes, s.root_device, type(s.precision_plugin)) == (2, torch.device("cpu"), Precision)
+
+
+def test_policy_objects_and_their_dicts_are_accepted_and_the_shortcuts_equal_them():
     with pytest.raises(V17ConfigError, match="pp=2 with zero_stage=2"):  # a policy object is validated the same
         _strategy(zero=ZeroPolicy(stage=2), pp=2)
-    flat = _strategy(zero_stage=1, bucket_mb=8.0, pp=2, pp_schedule="gpipe", microbatches=8, pp_split_points=["x"])
     objs = _strategy(
         zero=ZeroPolicy(stage=1, bucket_mb=8.0), pp=2,
         pipeline=PipelinePolicy(schedule="gpipe", microbatches=8, split_points=("x",)),
     )  # fmt: skip
-    assert flat.policy == objs.policy
+    dicts = _strategy(  # the YAML spelling: the mapping of the policy's fields
+        zero={"stage": 1, "bucket_mb": 8.0}, pp=2,
+        pipeline={"schedule": "gpipe", "microbatches": 8, "split_points": ["x"]},
+    )  # fmt: skip
+    assert objs.policy == dicts.policy
     assert objs.policy.zero.stage == 1 and objs.policy.pipeline.schedule == Schedule.GPIPE
+    assert _strategy(zero_stage=1).policy.zero == ZeroPolicy(stage=1)  # the shortcut
     assert _strategy(offload=OffloadPolicy(params="cpu")).policy.offload.params.value == "cpu"
+    assert _strategy(fp8="rowwise").policy.fp8 == _strategy(fp8=FP8Policy(recipe="rowwise")).policy.fp8
+    assert _strategy(activation_checkpointing="full").policy.recompute.value == "full"
+    with pytest.raises(V17ConfigError, match=r"zero: \['bucket'\] not fields of ZeroPolicy; its fields are"):
+        _strategy(zero={"bucket": 8})
+    with pytest.raises(V17ConfigError, match=r"offload=3 must be OffloadPolicy\(\.\.\.\) or the dict of its fields"):
+        _strategy(offload=3)
 
 
-def test_a_policy_object_and_a_flat_argument_it_covers_are_refused_together():
-    with pytest.raises(V17ConfigError, match=r"\['zero_stage'\] either inside zero=\.\.\. or as arguments"):
+def test_zero_stage_and_a_zero_policy_are_refused_together():
+    with pytest.raises(V17ConfigError, match=r"zero_stage=1 and zero=ZeroPolicy\(stage=3.*give the stage once"):
         _strategy(zero=ZeroPolicy(stage=3), zero_stage=1)
-    with pytest.raises(V17ConfigError, match=r"\['microbatches'\] either inside pipeline="):
-        _strategy(pp=2, zero_stage=1, pipeline=PipelinePolicy(), microbatches=8)
-    _strategy(zero=ZeroPolicy(stage=3), tp=1)  # options the policy does not cover are fine
+    with pytest.raises(V17ConfigError, match="give the stage once"):  # equal values too: no equality test
+        _strategy(zero=ZeroPolicy(stage=3), zero_stage=3)
+    _strategy(zero=ZeroPolicy(stage=3), tp=1, activation_checkpointing="full")  # options the policy does not cover
+
+
+def test_given_beats_config_and_config_beats_default_and_a_policy_wins_as_a_whole():
+    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 2**20}}  # 4 MiB of fp32 elements
+    assert _strategy(config=config).policy.zero == ZeroPolicy(stage=2, bucket_mb=4.0)
+    assert _strategy(zero_stage=3, config=config).policy.zero == ZeroPolicy(stage=3, bucket_mb=4.0)
+    assert _strategy(zero=ZeroPolicy(stage=1), config=config).policy.zero == ZeroPolicy(stage=1)  # as a whole
+    offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert _strategy(config=offload).policy.offload.params.value == "cpu"
+    assert _strategy(offload=OffloadPolicy(), config=offload).policy.offload == OffloadPolicy()
+    assert _strategy().policy.zero == ZeroPolicy()  # neither: the defaults (stage 3)
 
 
 def test_options_that_cannot_apply_are_refused():
     with pytest.raises(V17ConfigError, match="sequence_parallel applies only with tp > 1"):
-        _strategy(sequence_parallel=True)
+        _strategy(tensor_parallel=TPPolicy(sequence_parallel=True))
     with pytest.raises(V17ConfigError, match="tp_plan applies only with tp > 1"):
-        _strategy(tp_plan={"model.layers.*.mlp.up_proj": "colwise"})
+        _strategy(tensor_parallel=TPPolicy(plan={"model.layers.*.mlp.up_proj": "colwise"}))
     with pytest.raises(V17ConfigError, match="pp_split_points applies only with pp > 1"):
-        _strategy(pp_split_points=["model.layers.2"])
-    s = _strategy(tp=2, zero_stage=1, tp_plan={"model.layers.*.mlp.up_proj": "colwise"})
-    assert s.policy.tp_plan == {"model.layers.*.mlp.up_proj": "colwise"}
+        _strategy(pipeline=PipelinePolicy(split_points=["model.layers.2"]))
+    s = _strategy(tp=2, zero_stage=1, tensor_parallel=TPPolicy(plan={"model.layers.*.mlp.up_proj": "colwise"}))
+    assert s.policy.tensor_parallel.plan == {"model.layers.*.mlp.up_proj": "colwise"}
+    with pytest.raises(V17ConfigError, match="sequence_parallel=1 must be True or False"):
+        TPPolicy(sequence_parallel=1)
+    with pytest.raises(V17ConfigError, match="tp_plan=.* must be a dict"):
+        TPPolicy(plan=["colwise"])
 
 
 def test_one_schedule_table_answers_policy_planner_and_engine():
@@ -76,34 +144,40 @@ def test_one_schedule_table_answers_policy_planner_and_engine():
 
 
 def test_options_set_but_inapplicable_warn_once_each():
-    import warnings
-
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        _strategy(zero_stage=3, bucket_mb=8.0, optimizer_partition="params", microbatches=8)
-        _strategy(zero_stage=1, reshard_after_forward=True)
-        _strategy(zero_stage=3)  # nothing set: no warning
-    msgs = [str(w.message) for w in rec if "V17Strategy:" in str(w.message)]
+    """A given policy's fields that differ from the policy's own defaults, where they cannot apply."""
+    msgs = _warnings(
+        lambda: _strategy(
+            zero=ZeroPolicy(stage=3, bucket_mb=8.0, optimizer_partition="params"),
+            pipeline=PipelinePolicy(microbatches=8),
+        ),
+        lambda: _strategy(zero=ZeroPolicy(stage=1, reshard_after_forward=True)),
+        lambda: _strategy(zero_stage=3),  # nothing set: no warning
+        lambda: _strategy(zero=ZeroPolicy(stage=3), pipeline=PipelinePolicy()),  # only defaults: no warning
+    )
     assert len(msgs) == 4, msgs
     assert any("bucket_mb=8.0 applies to zero_stage 0-2" in m for m in msgs)
     assert any("optimizer_partition='params'" in m for m in msgs)
     assert any("microbatches=8 applies only with pp > 1" in m for m in msgs)
     assert any("reshard_after_forward applies to zero_stage=3 only" in m for m in msgs)
+    assert _warnings(lambda: _strategy(zero=ZeroPolicy(bucket_mb=8)))[0].startswith(  # stage 3 by default: once
+        "V17Strategy: zero.bucket_mb=8 applies to zero_stage 0-2"
+    )
 
 
 def test_wrap_classes_nvme_path_and_checkpoint_io_warn_when_unused():
-    import warnings
-
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        _strategy(zero_stage=1, wrap_classes=["Block"])
-        _strategy(zero_stage=3, nvme_path="/tmp")
-        _strategy(zero_stage=3, checkpoint_io=TorchCheckpointIO())
-        _strategy(zero_stage=1, wrap_classes=["Block"], activation_checkpointing="full")  # used by recompute
-        _strategy(zero_stage=3, wrap_classes=["Block"])  # the ZeRO-3 units
-    msgs = [str(w.message) for w in rec if "V17Strategy:" in str(w.message)]
+    def checkpoint_io():
+        s = _strategy(zero_stage=3)
+        s.checkpoint_io = TorchCheckpointIO()  # what the Trainer's connector does with plugins=[CheckpointIO]
+
+    msgs = _warnings(
+        lambda: _strategy(zero=ZeroPolicy(stage=1, wrap_classes=["Block"])),
+        lambda: _strategy(zero_stage=3, offload=OffloadPolicy(nvme_path="/tmp")),
+        checkpoint_io,
+        lambda: _strategy(zero=ZeroPolicy(stage=1, wrap_classes=["Block"]), activation_checkpointing="full"),  # used
+        lambda: _strategy(zero=ZeroPolicy(stage=3, wrap_classes=["Block"])),  # the ZeRO-3 units
+    )
     assert len(msgs) == 3, msgs
     assert "wrap_classes names the ZeRO-3 units and the recompute blocks" in msgs[0]
     assert "nvme_path='/tmp' applies only to an 'nvme' offload tier" in msgs[1]
@@ -120,11 +194,14 @@ def test_missing_ckpt_path_says_it_does_not_exist(tmp_path):
 
 
 def test_microbatches_torch_cannot_schedule_are_refused_at_construction():
+    def pipe(pp, **kw):
+        return _strategy(pp=pp, zero_stage=1, pipeline=PipelinePolicy(**kw))
+
     with pytest.raises(V17ConfigError, match=r"microbatches=2 < pp=4; set microbatches >= 4"):
-        _strategy(pp=4, zero_stage=1, pp_schedule="1f1b", microbatches=2)
+        pipe(4, schedule="1f1b", microbatches=2)
     with pytest.raises(V17ConfigError, match=r"microbatches=5 with pp=2 is not; try one of"):
-        _strategy(pp=2, zero_stage=1, pp_schedule="interleaved_1f1b", virtual_stages=2, microbatches=5)
+        pipe(2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=5)
     with pytest.raises(V17ConfigError, match="no torch.distributed.pipelining implementation"):
-        _strategy(pp=2, zero_stage=1, pp_schedule="zb_h2")  # Qi's ZB-H2: one stage per rank
-    _strategy(pp=2, zero_stage=1, pp_schedule="interleaved_1f1b", virtual_stages=2, microbatches=6)  # 3 rounds of 2
-    _strategy(pp=4, zero_stage=1, pp_schedule="gpipe", microbatches=2)  # GPipe has no such limit
+        pipe(2, schedule="zb_h2")  # Qi's ZB-H2: one stage per rank
+    pipe(2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=6)  # 3 rounds of 2
+    pipe(4, schedule="gpipe", microbatches=2)  # GPipe has no such limit

@@ -83,7 +83,8 @@ class StorageCounter:
 
 
 def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """Every tensor in ``optimizer.state`` (following wrapped optimizers' ``.optimizer`` / ``._optimizer``)."""
+    """Every tensor in ``optimizer.state`` (following wrapped optimizers' ``.optimizer`` / ``.optim``; the callbacks
+    unwrap Lightning's ``LightningOptimizer`` before they ask)."""
     out: list[torch.Tensor] = []
     seen: set[int] = set()
     stack = [optimizer]
@@ -95,7 +96,7 @@ def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
         for state in getattr(opt, "state", {}).values():
             if isinstance(state, dict):
                 out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-        for attr in ("optimizer", "_optimizer", "optim"):
+        for attr in ("optimizer", "optim"):
             inner = getattr(opt, attr, None)
             if inner is not None and hasattr(inner, "param_groups"):
                 stack.append(inner)

@@ -107,13 +107,13 @@ def _run(family: str, strategy: Any, dp: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    from lightning_v17 import V17Strategy
+    from tests._strategy import v17  # the configurations are flat option dicts
 
     out: dict[str, dict[str, Any]] = {}
     for family, configs in CONFIGS.items():
         out[family] = {"ddp": _run(family, "ddp", world)}
         for name, kw in configs.items():
-            out[family][name] = _run(family, V17Strategy(**kw), world // (kw.get("tp", 1) * kw.get("pp", 1)))
+            out[family][name] = _run(family, v17(**kw), world // (kw.get("tp", 1) * kw.get("pp", 1)))
     return out
 
 

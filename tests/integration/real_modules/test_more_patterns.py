@@ -171,7 +171,7 @@ def _run(make, strategy, pattern: str, dp: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    from lightning_v17 import V17Strategy
+    from tests._strategy import v17  # the configurations are flat option dicts
 
     out: dict[str, dict[str, Any]] = {}
     for pattern, configs in CONFIGS.items():
@@ -179,7 +179,7 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
         out[pattern] = {"ddp": _run(make, "ddp", pattern, world)}
         for name, kw in configs.items():
             dp = world // kw.get("tp", 1)
-            out[pattern][name] = _run(make, V17Strategy(**kw), pattern, dp)
+            out[pattern][name] = _run(make, v17(**kw), pattern, dp)
     return out
 
 

@@ -144,6 +144,8 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
     from lightning_v17.strategies import V17Strategy
 
+    from lightning_v17.config import OffloadPolicy
+
     tmp_list = [tmp]
     dist.broadcast_object_list(tmp_list, src=0)
     data = _data()
@@ -160,7 +162,9 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
         }
     for opt in ("adam8bit", "adafactor"):
         out[opt]["z3_resume"] = _resume(opt, os.path.join(tmp_list[0], opt))
-    out["refused_offload"] = _refused(lambda: UserMLP("adafactor"), V17Strategy(zero_stage=3, offload_optimizer="cpu"))
+    out["refused_offload"] = _refused(
+        lambda: UserMLP("adafactor"), V17Strategy(zero_stage=3, offload=OffloadPolicy(optimizer="cpu"))
+    )
     # model.2.weight has 7 rows: FSDP2 shards it 4/3, and LBFGS's flat gradient view of such a shard fails in torch
     out["refused_lbfgs"] = _refused(lambda: UserLBFGS("lbfgs"), V17Strategy(zero_stage=3))
     return out

@@ -245,7 +245,7 @@ def _run(*args: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    from lightning_v17 import V17Strategy
+    from lightning_v17 import V17Strategy, ZeroPolicy
     from lightning_v17.engine.collectives import FSDPAllToAllAllGather
 
     gather = FSDPAllToAllAllGather.__call__
@@ -262,10 +262,10 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
         runs = {
             "ddp": "ddp",
             "zero3": V17Strategy(zero_stage=3),
-            "zero3_wrap": V17Strategy(zero_stage=3, wrap_classes=["Encoder", "Decoder"]),
+            "zero3_wrap": V17Strategy(zero=ZeroPolicy(stage=3, wrap_classes=["Encoder", "Decoder"])),
         }
         if own:  # the root freed at the end of the step hook, not by the call of self(x) nested in it
-            runs["zero3_reshard"] = V17Strategy(zero_stage=3, reshard_after_forward=True)
+            runs["zero3_reshard"] = V17Strategy(zero=ZeroPolicy(stage=3, reshard_after_forward=True))
         for name, strategy in runs.items():
             out[shape][name] = _run(
                 lambda own=own: _auto_module(own), strategy, _rows(48, seed=1), batch_size=ROWS_PER_RANK, steps=STEPS,
@@ -274,7 +274,7 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
     for name, strategy in (
         ("ddp", "ddp_find_unused_parameters_true"),  # each backward reaches one network only
         ("zero3", V17Strategy(zero_stage=3)),
-        ("zero3_wrap", V17Strategy(zero_stage=3, wrap_classes=["Generator", "Discriminator"])),
+        ("zero3_wrap", V17Strategy(zero=ZeroPolicy(stage=3, wrap_classes=["Generator", "Discriminator"]))),
     ):
         out["manual"][name] = _run(  # Lightning counts each optimizer's step: 2 a batch
             _manual_module, strategy, _gan_rows(48), batch_size=ROWS_PER_RANK, steps=2 * STEPS, inspect=_inspect
