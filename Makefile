@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	# not of the test run; where it cannot build, lightning_v17.optim falls back to fused AdamW with a warning.
 	$(PY) -c 'from lightning_v17.optim import cpu_adam_unavailable as u; r = u(); print("cpu_adam op:", r or "built")'
 	# DeepSpeed's async_io op (the nvme tier's libaio backend) likewise, where libaio-dev is installed; else a note.
-	$(PY) -c 'from lightning_v17.engine.nvme_aio import prebuild; print("async_io op:", prebuild())'
+	$(PY) -c 'from lightning_v17.engine.offload.aio import prebuild; print("async_io op:", prebuild())'
 	touch $(STAMP)
 
 # The main job: plan it, then train the tiny Llama on the embedded stdlib corpus with ZeRO-3 on 2 CPU ranks.

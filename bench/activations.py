@@ -18,7 +18,7 @@ forward; the block input counts in the block that reads it). ``planned`` is
 ``korthikanti`` is Korthikanti 2022 Table 2 as published (GPT block, 16-bit with 1-byte masks; 4-byte elements for
 fp32), for comparison.
 
-Under ``--tp N`` the whole model runs with ``engine/tensor_parallel.py`` on N gloo ranks (CPU), without and with
+Under ``--tp N`` the whole model runs with ``engine/tp/apply.py`` on N gloo ranks (CPU), without and with
 sequence parallelism; one block's bytes are the retained bytes with two blocks minus those with one.
 
 Run: ``python bench/activations.py`` (CPU, about a minute) prints one JSON object and exits 1 if a row is off by
@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_v17.config import Recompute
 from lightning_v17.engine.recompute import apply_activation_checkpointing
-from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+from lightning_v17.engine.tp.apply import apply_tensor_parallel
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.llama import Llama
 from lightning_v17.planner import memory as mem

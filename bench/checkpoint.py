@@ -46,8 +46,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, root: st
     from torch import nn
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from lightning_v17.engine.checkpoint import save_sharded
-    from lightning_v17.engine.checkpoint_async import AsyncShardedSaver
+    from lightning_v17.checkpoint.async_save import AsyncShardedSaver
+    from lightning_v17.checkpoint.sharded import save_sharded
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     use_dist = world > 1

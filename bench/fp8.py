@@ -6,10 +6,10 @@ Every configuration is the same model (``bench/_common.py``: the small GPT, seed
 (bf16 compute weights, fp32 master weights and gradient reduction, ``torch.optim.AdamW``), the same steps:
 
 * ``bf16``: the blocks' Linears are plain ``nn.Linear`` in bf16;
-* ``fp8_tensorwise`` / ``fp8_rowwise``: they are torchao ``Float8Linear`` (``engine/fp8.py``): their three GEMMs per
+* ``fp8_tensorwise`` / ``fp8_rowwise``: they are torchao ``Float8Linear`` (``engine/fp8/convert.py``): their three GEMMs per
   step run as ``torch._scaled_mm`` on float8 operands, bf16 out. The embeddings, the head and the norms stay bf16.
   At ZeRO-3 ``tensorwise`` all-gathers the weights in float8 (the default ``fp8_all_gather``);
-* ``fp8_delayed``: lightning-v17's delayed scaling (``engine/fp8_delayed.py``): the same three ``torch._scaled_mm``
+* ``fp8_delayed``: lightning-v17's delayed scaling (``engine/fp8/delayed.py``): the same three ``torch._scaled_mm``
   with scales from a 16-step amax history, the amaxes all-reduced (MAX) once per step;
 
 Each configuration runs in its own pair of fresh processes, interleaved over ``--rounds`` rounds (order rotated),

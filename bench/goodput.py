@@ -201,8 +201,8 @@ def redo_wall_s(root: Path, *, every: int) -> list[float]:
 
 def analyse(root: Path, *, failures: int, every: int) -> dict:
     """The measured goodput and the planner's prediction from the run's own measured inputs."""
-    from lightning_v17.engine.trackers.goodput import GoodputBreakdown
     from lightning_v17.planner.resilience import expected_goodput
+    from lightning_v17.trackers.goodput import GoodputBreakdown
 
     res = json.loads((root / "result.json").read_text())
     b, saves = res["breakdown"], res["saves"]

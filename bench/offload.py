@@ -14,7 +14,7 @@ of 1 MiB or more leaves the RSS, and on this CPU-only machine every activation o
 step). Each result also has rank 0's system CPU seconds and minor page faults per timed step.
 
 ``nvme_params`` adds ``offload_params="nvme" to the nvme arm (ZeRO-Infinity: the parameter shards on nvme too,
-``lightning_v17/engine/param_offload.py``); its row gives the planner's fp32 parameter shard of the rank
+``lightning_v17/engine/offload/params.py``); its row gives the planner's fp32 parameter shard of the rank
 (``planned_param_bytes``: 4 B/param over dp=2, ``model_state_bytes_per_rank``), the bytes of the rank's parameter
 files and of shards left in memory after the last step (the next forward's first units), and the RSS drop against
 the ``nvme`` arm (the same glibc setting, the default ``host_memory="recycle"``) as a fraction of the planned shard
@@ -99,7 +99,7 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
     from lightning_v17.strategies import V17Strategy
 
     from lightning_v17.config import OffloadPolicy, ZeroPolicy
-    from lightning_v17.engine.offload import offload_of, planned_state_bytes
+    from lightning_v17.engine.offload.optimizer import offload_of, planned_state_bytes
     from lightning_v17.optim import AdamW
 
     shape = C.GPTShape(**json.loads(args.shape))
@@ -173,7 +173,7 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
 
     offload = None
     if arm == "none_mmap":
-        from lightning_v17.engine.host_buffers import fix_mmap_threshold
+        from lightning_v17.engine.offload.host_memory import fix_mmap_threshold
 
         fix_mmap_threshold()
     elif arm.startswith("nvme_params"):
@@ -251,7 +251,8 @@ def _drive_bandwidth(folder: str, nbytes: int = 64 * 2**20) -> float:
     """Bytes/s of one write plus one read of ``nbytes`` through the tier's own I/O backend in ``folder``."""
     from pathlib import Path
 
-    from lightning_v17.engine.nvme import host_buffer, open_io
+    from lightning_v17.engine.offload.nvme import host_buffer
+    from lightning_v17.engine.offload.tier_io import open_io
 
     io, _ = open_io(folder)
     buf, path = host_buffer(nbytes), Path(folder) / "bandwidth-probe.bin"

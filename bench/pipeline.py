@@ -161,7 +161,7 @@ def _v17(rank: int, schedule: str, v: int, m: int, base) -> _Runner:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_v17.config import PipelinePolicy
-    from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+    from lightning_v17.engine.pipeline.runtime import build_schedule, pipeline_step, split_model
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
@@ -276,7 +276,7 @@ def _replay(per_rank: dict, key: str, *, num_stages: int) -> dict[str, Any]:
     coefficient of variation of the forward ("F", loss included) and backward ("B") durations of one rank within a
     step (median over ranks and steps): how unequal the "equal" micro-batches are on this machine.
     """
-    from lightning_v17.engine.pipeline import replay_actions
+    from lightning_v17.engine.pipeline.runtime import replay_actions
 
     bubbles: list[float] = []
     cvs: dict[str, list[float]] = {"F": [], "B": []}

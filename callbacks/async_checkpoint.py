@@ -1,6 +1,6 @@
 """AsyncCheckpoint: sharded checkpoints written in the background, published atomically, resumable with "last".
 
-A thin adapter over ``lightning_v17.engine.checkpoint_async.AsyncShardedSaver``; the protocol (one staging pass into
+A thin adapter over ``lightning_v17.checkpoint.async_save.AsyncShardedSaver``; the protocol (one staging pass into
 reused host buffers, the DCP writes on a dedicated gloo group in one background thread, the all-reduce of "done"
 flags at batch end, meta.json last + rename) is documented there.
 """
@@ -19,8 +19,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_v17.engine.checkpoint import is_sharded_checkpoint
-from lightning_v17.engine.checkpoint_async import (
+from lightning_v17.checkpoint.async_save import (
     AsyncShardedSaver,
     SaveResult,
     load_lightning_checkpoint,
@@ -28,6 +27,7 @@ from lightning_v17.engine.checkpoint_async import (
     resolve_latest,
     write_latest,
 )
+from lightning_v17.checkpoint.sharded import is_sharded_checkpoint
 
 log = logging.getLogger(__name__)
 RNG_KEY = "v17_rng_states"  # per-rank RNG states, a list indexed by global rank, in the trainer state
@@ -91,7 +91,7 @@ class AsyncCheckpoint(ModelCheckpoint):
     It subclasses ``ModelCheckpoint`` only because Lightning resolves ``ckpt_path="last"`` by asking
     ``ModelCheckpoint`` instances (``_find_last_checkpoints``); none of ModelCheckpoint's saving logic runs.
 
-    Works with ``V17Strategy`` (sharded DTensor state through ``engine/zero.py``) and with strategies that hold full
+    Works with ``V17Strategy`` (sharded DTensor state through ``engine/zero/stages_0_2.py``) and with strategies that hold full
     tensors such as Lightning's ``"ddp"`` (FQN state dicts from ``torch.distributed.checkpoint.state_dict``; a
     wrapper on the strategy's CheckpointIO reads the sharded directory back on resume).
 
@@ -328,7 +328,7 @@ def _app_state(trainer: Trainer) -> dict[str, Any]:
     strategy = trainer.strategy
     optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
     if _is_v17(strategy):
-        from lightning_v17.engine.state_dict import get_state_dicts
+        from lightning_v17.engine.zero.state_dict import get_state_dicts
 
         return get_state_dicts(strategy.model, optimizers, backend=strategy.zero)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

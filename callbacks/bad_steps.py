@@ -1,4 +1,4 @@
-"""``BadStepGuard``: a Lightning adapter over :mod:`lightning_v17.engine.trackers.bad_steps`."""
+"""``BadStepGuard``: a Lightning adapter over :mod:`lightning_v17.trackers.bad_steps`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.trackers.bad_steps import BadStepError, BadStepTracker, BadStepVerdict
+from lightning_v17.trackers.bad_steps import BadStepError, BadStepTracker, BadStepVerdict
 
 __all__ = ["SKIP_FILE", "BadStepAction", "BadStepError", "BadStepGuard", "BadStepRollback", "read_skip_file"]
 

@@ -1,4 +1,4 @@
-"""``GoodputMonitor``: a Lightning adapter over :mod:`lightning_v17.engine.trackers.goodput`."""
+"""``GoodputMonitor``: a Lightning adapter over :mod:`lightning_v17.trackers.goodput`."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_v17.callbacks.throughput import CHECKPOINT_BLOCKING_ATTR
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.trackers.goodput import GoodputBreakdown, GoodputTracker
 from lightning_v17.planner.resilience import expected_goodput
+from lightning_v17.trackers.goodput import GoodputBreakdown, GoodputTracker
 
 __all__ = ["PROGRESS_FILE", "GoodputMonitor"]
 

@@ -1,4 +1,4 @@
-"""``DynamicLossScaling``: a Lightning adapter over :mod:`lightning_v17.engine.trackers.loss_scale`."""
+"""``DynamicLossScaling``: a Lightning adapter over :mod:`lightning_v17.trackers.loss_scale`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_v17.config import LossScalePolicy, Precision, V17ConfigError
-from lightning_v17.engine.trackers.loss_scale import LossScaleError, LossScaleTracker, ShardedLossScaler
+from lightning_v17.trackers.loss_scale import LossScaleError, LossScaleTracker, ShardedLossScaler
 
 __all__ = ["DynamicLossScaling", "LossScaleError"]
 

@@ -1,4 +1,4 @@
-"""``MemoryBuckets``: a Lightning adapter over :mod:`lightning_v17.engine.trackers.memory`."""
+"""``MemoryBuckets``: a Lightning adapter over :mod:`lightning_v17.trackers.memory`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_v17.config import OptimizerKind, Precision, V17ConfigError, ZeroPolicy
-from lightning_v17.engine.trackers.memory import (
+from lightning_v17.trackers.memory import (
     MeasuredBytes,
     bar_chart,
     measure_model_state,
@@ -77,7 +77,7 @@ class MemoryBuckets(Callback):
     """Per-rank memory buckets (params, grads, optimizer state, activation/workspace peak) next to the planner.
 
     Measured on each rank from real storage, deduplicated by storage (see
-    :mod:`lightning_v17.engine.trackers.memory`): params and grads and optimizer state in
+    :mod:`lightning_v17.trackers.memory`): params and grads and optimizer state in
     ``on_before_optimizer_step`` (gradients are complete and, from the second step on, the optimizer state exists);
     the activation/workspace peak per step (CUDA: max-allocated minus model state; CPU: RSS high-water mark minus
     the RSS at the step start, an estimate, documented in the tracker).

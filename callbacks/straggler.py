@@ -1,4 +1,4 @@
-"""``StragglerDetector``: a Lightning adapter over :mod:`lightning_v17.engine.trackers.straggler`."""
+"""``StragglerDetector``: a Lightning adapter over :mod:`lightning_v17.trackers.straggler`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.trackers.straggler import StragglerReport, StragglerTracker
+from lightning_v17.trackers.straggler import StragglerReport, StragglerTracker
 
 __all__ = ["TEST_SLEEP_ENV", "StragglerDetected", "StragglerDetector"]
 

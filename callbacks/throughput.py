@@ -1,4 +1,4 @@
-"""``ThroughputMonitor``: a Lightning adapter over :mod:`lightning_v17.engine.trackers.throughput`."""
+"""``ThroughputMonitor``: a Lightning adapter over :mod:`lightning_v17.trackers.throughput`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_v17.config import Precision, V17ConfigError
-from lightning_v17.engine.trackers.throughput import (
+from lightning_v17.trackers.throughput import (
     StepSample,
     ThroughputStats,
     ThroughputTracker,
@@ -84,7 +84,7 @@ class ThroughputMonitor(Callback):
     ``flops_per_token(shape, seq=...)`` (Narayanan 2021 Eq. 3 with the attention term) when the module exposes its
     shape (``model_shape`` or a ``ModelConfig`` as ``config``; seq is read from the first batch); otherwise 6N
     (Kaplan 2020, no attention term) with a warning. MFU = flops_per_token x tokens/s per rank / peak FLOP/s per rank
-    (PaLM App. B; see :mod:`lightning_v17.engine.trackers.throughput`).
+    (PaLM App. B; see :mod:`lightning_v17.trackers.throughput`).
 
     Peak FLOP/s per rank: ``peak_flops_per_s`` if given; else the planner's accelerator table
     (``accelerator="h100-80gb"``, or recognized from ``torch.cuda.get_device_name()``) at the trainer's precision;

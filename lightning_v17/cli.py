@@ -1,7 +1,7 @@
 """The ``v17`` console script.
 
 - ``v17 plan ...``: the torch-free memory/parallelism planner (lightning_v17/planner/cli.py).
-- ``v17 consolidate CKPT OUT``: a sharded checkpoint -> one full state dict (lightning_v17/engine/checkpoint.py).
+- ``v17 consolidate CKPT OUT``: a sharded checkpoint -> one full state dict (lightning_v17/checkpoint/sharded.py).
 - ``v17 fit|validate|test|predict ...``: a LightningCLI (lightning_v17/trainer_cli.py), e.g.
   ``v17 fit --config configs/tiny-cpu.yaml``.
 """
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int | None:
 
         return plan_main(argv[1:])
     if command == "consolidate":
-        from lightning_v17.engine.checkpoint import consolidate_main
+        from lightning_v17.checkpoint.sharded import consolidate_main
 
         return consolidate_main(argv[1:])
     if command in ("-h", "--help", ""):

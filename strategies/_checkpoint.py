@@ -1,4 +1,4 @@
-"""V17Strategy's sharded checkpoints: every rank writes its shards (DCP, ``engine/checkpoint.py``), and a checkpoint
+"""V17Strategy's sharded checkpoints: every rank writes its shards (DCP, ``checkpoint/sharded.py``), and a checkpoint
 loads into any ZeRO stage, world size or mesh (reshard on load). :class:`ShardedCheckpoints` holds Lightning's
 checkpoint hooks, mixed into V17Strategy as ``_collectives.WorldCollectives`` holds its collectives."""
 
@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_v17.config import AXIS_ORDER, V17ConfigError
-from lightning_v17.engine import state_dict as state_engine
+from lightning_v17.engine.zero import state_dict as state_engine
 
 if TYPE_CHECKING:
     from lightning_v17.strategies.v17 import V17Strategy
@@ -56,7 +56,7 @@ class ShardedCheckpoints:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint directory (every rank writes its shards; see engine/checkpoint.py)."""
+        """Write a sharded checkpoint directory (every rank writes its shards; see checkpoint/sharded.py)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported")
         save(self, checkpoint, filepath)
@@ -92,7 +92,7 @@ def meta(strategy: V17Strategy, checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 def save(strategy: V17Strategy, checkpoint: dict[str, Any], filepath: Any) -> None:
     """Write a sharded checkpoint directory; the model and optimizer states leave ``checkpoint`` for the shards."""
-    from lightning_v17.engine.checkpoint import save_sharded
+    from lightning_v17.checkpoint.sharded import save_sharded
 
     path = Path(strategy.broadcast(filepath))
     app_state: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
@@ -110,7 +110,7 @@ def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | No
     with ``UnsafeCheckpointError`` before anything is loaded), ``False`` trusts the checkpoint fully. Lightning 2.6.6
     passes ``None`` here whatever ``trainer.fit(weights_only=...)`` said (see the note below).
     """
-    from lightning_v17.engine.checkpoint import UnsafeCheckpointError, is_sharded_checkpoint, load_sharded
+    from lightning_v17.checkpoint.sharded import UnsafeCheckpointError, is_sharded_checkpoint, load_sharded
 
     path = Path(strategy.broadcast(checkpoint_path))
     if not path.exists():

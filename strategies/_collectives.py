@@ -18,7 +18,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 
-from lightning_v17.engine.elastic import elastic_attempt, init_elastic_process_group
+from lightning_v17.resilience.elastic import elastic_attempt, init_elastic_process_group
 
 
 def init_world(
@@ -28,7 +28,7 @@ def init_world(
     """Create the world process group and return its backend (None: picked from ``device``, as Lightning does).
 
     Under torchrun every restart attempt shares the agent's store, so each attempt's keys are kept apart
-    (``engine/elastic.py``); otherwise Lightning's own connection over the cluster environment.
+    (``resilience/elastic.py``); otherwise Lightning's own connection over the cluster environment.
     """
     backend = backend or _get_default_process_group_backend_for_device(device)
     kwargs: dict[str, Any] = {"timeout": timeout}

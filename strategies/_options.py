@@ -27,7 +27,7 @@ from lightning_v17.config import (
     V17ConfigError,
     ZeroPolicy,
 )
-from lightning_v17.deepspeed_config import from_deepspeed_config
+from lightning_v17.config.deepspeed import from_deepspeed_config
 
 P = TypeVar("P")
 #: The policy arguments of V17Strategy and their classes (``fp8`` also takes a recipe string: build_fp8_policy).
@@ -72,7 +72,7 @@ def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
         zero = base.zero if stage is None else replace(base.zero, stage=stage)
     offload = objs["offload"] or base.offload
     if Tier.NVME in (offload.optimizer, offload.params):
-        from lightning_v17.engine.nvme import check_nvme_path
+        from lightning_v17.engine.offload.nvme import check_nvme_path
 
         check_nvme_path(offload.nvme_path)  # exists and is writable: now, before any process starts
     recompute = given["activation_checkpointing"]
@@ -104,7 +104,7 @@ def build_fp8_policy(fp8: Any) -> FP8Policy | None:
     policy = FP8Policy(recipe=fp8) if isinstance(fp8, str) else as_policy(fp8, FP8Policy, "fp8")
     import torch
 
-    from lightning_v17.engine.fp8 import resolve_fp8_backend
+    from lightning_v17.engine.fp8.convert import resolve_fp8_backend
 
     if not torch.cuda.is_available():
         resolve_fp8_backend(policy, "cpu")  # raises for 'te' here; 'auto' resolves to torchao on CPU
@@ -161,7 +161,7 @@ def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: i
 def warn_checkpoint_io(io: Any) -> None:
     """A ``CheckpointIO`` plugin given to the Trainer is not used: V17Strategy writes sharded checkpoints itself."""
     if io is not None:
-        _warn("checkpoint_io: V17Strategy writes sharded DCP checkpoint directories itself (engine/checkpoint.py)")
+        _warn("checkpoint_io: V17Strategy writes sharded DCP checkpoint directories itself (checkpoint/sharded.py)")
 
 
 def _warn(note: str) -> None:

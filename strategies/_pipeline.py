@@ -79,7 +79,7 @@ def rows(batch: Any) -> int:
 
 def training_step(strategy: V17Strategy, args: tuple, kwargs: dict) -> Tensor:
     """One optimizer micro-step through the schedule (see the module docstring)."""
-    from lightning_v17.engine.pipeline import pipeline_step
+    from lightning_v17.engine.pipeline.runtime import pipeline_step
 
     runtime = strategy.parallel.pipeline
     module = strategy.lightning_module
@@ -119,7 +119,7 @@ def training_step(strategy: V17Strategy, args: tuple, kwargs: dict) -> Tensor:
 
 def eval_step(strategy: V17Strategy, stage: str, args: tuple, kwargs: dict) -> Tensor:
     """The schedule's forward-only path for ``validation_step`` / ``test_step``; logs ``{stage}_loss``."""
-    from lightning_v17.engine.pipeline import pipeline_eval
+    from lightning_v17.engine.pipeline.runtime import pipeline_eval
 
     batch = _batch(args, kwargs)
     plugin = strategy.precision_plugin

@@ -11,8 +11,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from lightning_v17.config import LossScalePolicy
 from lightning_v17.config import Precision as V17Precision
-from lightning_v17.engine.clip import clip_grad_norm_
-from lightning_v17.engine.trackers.loss_scale import LossScaleTracker, ShardedLossScaler
+from lightning_v17.engine.precision.clip import clip_grad_norm_
+from lightning_v17.trackers.loss_scale import LossScaleTracker, ShardedLossScaler
 
 if TYPE_CHECKING:
     from lightning_v17.strategies.v17 import V17Strategy
@@ -72,7 +72,7 @@ class ShardedClipping:
 
     ``Precision.clip_grad_by_norm`` runs ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, which
     under ZeRO are this rank's shards: a per-shard norm (the classic bug). Here it is
-    :func:`lightning_v17.engine.clip.clip_grad_norm_`, one all-reduce of the squared norm over the shard group (and
+    :func:`lightning_v17.engine.precision.clip.clip_grad_norm_`, one all-reduce of the squared norm over the shard group (and
     the pp stages, and the tp-sharded pieces). Lightning's own ``FSDPPrecision`` is the same kind of subclass.
     """
 

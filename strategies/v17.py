@@ -50,11 +50,11 @@ from lightning_v17.config import (
     V17ConfigError,
     ZeroPolicy,
 )
-from lightning_v17.engine import fsdp as fsdp_engine
 from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize
-from lightning_v17.engine.watchdog import StepWatchdog
-from lightning_v17.engine.zero_backend import ZeroBackend
+from lightning_v17.engine.zero import fsdp as fsdp_engine
+from lightning_v17.engine.zero.backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
+from lightning_v17.resilience.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -91,10 +91,10 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         pipeline: :class:`~lightning_v17.config.PipelinePolicy` (schedule, micro-batches, chunks, split points).
         tensor_parallel: :class:`~lightning_v17.config.TPPolicy` (plan; sequence, vocab and loss parallelism).
         fp8: :class:`~lightning_v17.config.FP8Policy`, or its recipe ("tensorwise", "rowwise", "delayed"); None: off.
-        config: a DeepSpeed JSON config, dict or path (:func:`lightning_v17.deepspeed_config.from_deepspeed_config`).
+        config: a DeepSpeed JSON config, dict or path (:func:`lightning_v17.config.deepspeed.from_deepspeed_config`).
         process_group_backend: "gloo" or "nccl"; None picks from the device.
         timeout: collective timeout (``init_process_group(timeout=)``; torch's default is 30 minutes).
-        hang_timeout: seconds without progress before the watchdog ends a rank (``engine/watchdog.py``); None: off.
+        hang_timeout: seconds without progress before the watchdog ends a rank (``resilience/watchdog.py``); None: off.
     """
 
     strategy_name = "v17"
@@ -223,7 +223,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
             self.cluster_environment, self._process_group_backend, device=self.root_device, rank=self.global_rank,
             world_size=self.world_size, timeout=self._timeout,
         )  # fmt: skip
-        # Under torchrun the default store is already this round's own (v17/gen-<token>, engine/elastic.py); the
+        # Under torchrun the default store is already this round's own (v17/gen-<token>, resilience/elastic.py); the
         # agents' restart counts differ after a node was replaced, so they must not be part of a shared key.
         self._watchdog = StepWatchdog(self._hang_timeout, prefix=f"v17/watchdog/{next(_RUNS)}")
         spec = self.resolve_mesh(self.world_size)
@@ -318,7 +318,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         """Around ``configure_model``: real tensors, as in Lightning's own FSDP and ModelParallel strategies, so that
         ``from_pretrained`` and ``load_state_dict`` work there (each rank holds the whole model until ``setup``
         shards it). ``ZeroPolicy(meta_init=True)`` builds it on the meta device instead, so that only the shards
-        are ever allocated, and refuses loads there (:func:`lightning_v17.engine.fsdp.deferred_init`)."""
+        are ever allocated, and refuses loads there (:func:`lightning_v17.engine.zero.fsdp.deferred_init`)."""
         with fsdp_engine.deferred_init() if self.policy.zero.meta_init else nullcontext():
             yield
 
@@ -366,10 +366,10 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
 
     def _step(self, hook: str, step_context: Any, args: tuple, kwargs: dict) -> Any:
         """Lightning's dispatch of a step hook (``Strategy.training_step`` and its siblings). At stage 3 the hook runs
-        as the FSDP2 root's forward (:func:`lightning_v17.engine.fsdp.run_as_forward`): Lightning calls it directly,
+        as the FSDP2 root's forward (:func:`lightning_v17.engine.zero.fsdp.run_as_forward`): Lightning calls it directly,
         never the module's ``forward``, so the root's own hooks (its all-gather, its reduce-scatter after backward)
         would not run; under manual optimization optimizers may step inside it
-        (:func:`~lightning_v17.engine.fsdp.optimizer_steps_inside`)."""
+        (:func:`~lightning_v17.engine.zero.fsdp.optimizer_steps_inside`)."""
         module = self.lightning_module
         root = fsdp_engine.fsdp_root(module) if module is not None else None
         if root is None:
@@ -401,7 +401,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
 
     def _loss_parallel(self) -> Any:
         """torch's ``loss_parallel()`` with ``TPPolicy(loss_parallel=True)`` (the loss and its backward run inside)."""
-        from lightning_v17.engine.tensor_parallel import loss_parallel_context
+        from lightning_v17.engine.tp.apply import loss_parallel_context
 
         return loss_parallel_context(self.policy.tensor_parallel.loss_parallel)
 

@@ -214,7 +214,7 @@ class FSDPAllToAllReduceScatter(_Alloc, _ReduceScatterBase):  # type: ignore[mis
         is_output = numel * self.world == self._input_numel
         self._input_numel = -1 if is_output else numel
         if is_output and self.mapped_from is not None and torch.device(device).type == "cpu":
-            from lightning_v17.engine.host_buffers import mapped_empty
+            from lightning_v17.engine.offload.host_memory import mapped_empty
 
             out = mapped_empty(size, dtype=dtype, min_bytes=self.mapped_from)
             self.mapped += out.untyped_storage().nbytes() >= self.mapped_from
@@ -292,7 +292,7 @@ def map_gradient_buffers(module: torch.nn.Module, min_bytes: int | None = 2**20)
     :func:`install_fsdp_comms`) of ``min_bytes`` or more as their own anonymous mappings, outside glibc's heap
     (``None``: back to ``torch.empty``). The output *is* the unit's sharded gradient (FSDP2 views it) and lives
     from the unit's backward to ``zero_grad``, while forward and backward allocate and free around it: on the heap it
-    pins the heap's top and fragments it (the nvme optimizer tier, ``engine/offload.py``, wants the heap to shrink
+    pins the heap's top and fragments it (the nvme optimizer tier, ``engine/offload/optimizer.py``, wants the heap to shrink
     back). A mapping costs its page faults each step (the gradient bytes / 4 KiB). Returns the number of units."""
     n = 0
     for m in module.modules():
@@ -306,7 +306,7 @@ def map_gradient_buffers(module: torch.nn.Module, min_bytes: int | None = 2**20)
 def map_all_gathers(module: torch.nn.Module, enable: bool = True) -> int:
     """Run the all-gather of every FSDP2 unit under ``module`` and its copy-out (``FSDPParamGroup.unshard`` /
     ``wait_for_unshard``: the unsharded parameters' storages, allocated there and freed at reshard) inside
-    :func:`~lightning_v17.engine.host_buffers.own_mappings` (``enable=False``: undo). On glibc's heap each unit's
+    :func:`~lightning_v17.engine.offload.host_memory.own_mappings` (``enable=False``: undo). On glibc's heap each unit's
     unsharded parameters, allocated before its activations and freed after them, left a hole the next unit's did not
     fit: 103M-param GPT, the heap grew by 32 MB per unit in the first forward and kept it (``bench/offload.py`` with a
     ``mallinfo2`` probe per unit). Inside, peak RSS per rank (medians of 3 rounds) fell from 1,327 / 1,301 to 1,152 /
@@ -315,7 +315,7 @@ def map_all_gathers(module: torch.nn.Module, enable: bool = True) -> int:
     (3.7M GPT: no more faults per step than before within the rounds' spread, 6,400-7,500). Undo before
     anything else that replaced these methods removes its own (the parameter tier's ``close``). Returns the number of
     units."""
-    from lightning_v17.engine.host_buffers import own_mappings
+    from lightning_v17.engine.offload.host_memory import own_mappings
 
     n = 0
     for m in module.modules():

@@ -6,7 +6,7 @@ Why this order (torchtitan's, and Megatron's before it):
 
 1. **PP split first**: it prunes the model in place to this rank's stages, so everything after it only touches (and
    allocates) the local stages.
-2. **FP8** (``engine/fp8.py``): the blocks' Linears become torchao ``Float8Linear`` after the split (each pipeline
+2. **FP8** (``engine/fp8/convert.py``): the blocks' Linears become torchao ``Float8Linear`` after the split (each pipeline
    stage converts its own blocks) and before TP and ZeRO (torchtitan's order: model converters, then parallelize),
    so TP gives the converted Linears torchao's float8 styles (``Float8ColwiseParallel``/``Float8RowwiseParallel``)
    and FSDP2 shards the converted modules (with float8 all-gather at ZeRO-3 for ``tensorwise``).
@@ -19,7 +19,7 @@ Why this order (torchtitan's, and Megatron's before it):
 6. **Replicas agree**: every parameter is broadcast over the axes it is replicated on (``dp_replicate`` for HSDP,
    the whole ``dp`` group at stages 0-2, ``tp`` for tp-replicated parameters), so ranks that drew different random
    initial weights never train different replicas.
-7. **Parameter offload** (``offload_params="nvme"``, ``engine/param_offload.py``) once the shards are final: each
+7. **Parameter offload** (``offload_params="nvme"``, ``engine/offload/params.py``) once the shards are final: each
    FSDP2 group's shards go to the nvme tier and come back only around their all-gathers and the optimizer step.
 
 The function knows no model family: plans (a TP plan, a pipeline layout, a loss) are handed to it, resolved by the
@@ -39,12 +39,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_v17.config import FP8Recipe, Recompute, Tier, TrainingPolicy, V17ConfigError
-from lightning_v17.config_rules import check as check_rules
-from lightning_v17.engine import fsdp as fsdp_engine
-from lightning_v17.engine import zero as zero_engine
-from lightning_v17.engine.fp8 import FP8Runtime, apply_fp8, float8_tp_plan
+from lightning_v17.config.rules import check as check_rules
+from lightning_v17.engine._dtensor import local as _local
+from lightning_v17.engine.fp8.convert import FP8Runtime, apply_fp8, float8_tp_plan
 from lightning_v17.engine.recompute import apply_activation_checkpointing
-from lightning_v17.engine.zero_backend import ZeroBackend
+from lightning_v17.engine.zero import fsdp as fsdp_engine
+from lightning_v17.engine.zero import stages_0_2 as zero_engine
+from lightning_v17.engine.zero.backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime
 
 __all__ = ["Parallelized", "apply_zero_stage", "check_composition", "parallelize", "sync_replicas"]
@@ -78,14 +79,14 @@ class Parallelized:
 
 def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
     """The combinations of options that cannot work, refused before any process touches the model: every rule of
-    :mod:`lightning_v17.config_rules`, then the pipeline schedule's own limits.
+    :mod:`lightning_v17.config.rules`, then the pipeline schedule's own limits.
 
     Raises:
         V17ConfigError: naming the option and the fix.
     """
     check_rules(policy, pp=pp, tp=tp)
     if pp > 1:
-        from lightning_v17.planner.schedules import schedule_info
+        from lightning_v17.config.schedules import schedule_info
 
         info = schedule_info(policy.pipeline.schedule)
         info.check_runnable()
@@ -167,7 +168,7 @@ def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: Train
         return
     from torch.distributed.fsdp import FSDPModule
 
-    from lightning_v17.engine.param_offload import ParamOffload
+    from lightning_v17.engine.offload.params import ParamOffload
 
     backend.param_offload = ParamOffload(
         [m for m in module.modules() if isinstance(m, FSDPModule)], nvme_path=policy.offload.nvme_path,
@@ -176,8 +177,6 @@ def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: Train
     )  # fmt: skip
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _tp_sharded(t: torch.Tensor) -> bool:
@@ -278,7 +277,7 @@ def parallelize(
 
     pipeline = None
     if spec.pp > 1:  # 1. cut the model into this rank's stages (in place; FQNs kept)
-        from lightning_v17.engine.pipeline import build_schedule, split_model
+        from lightning_v17.engine.pipeline.runtime import build_schedule, split_model
 
         stage_modules, stage_ids = split_model(
             module, layout=pp_layout, pp_rank=mesh.rank("pp"), pp=spec.pp, policy=policy.pipeline
@@ -286,7 +285,7 @@ def parallelize(
     units = _units(module, policy)
     fp8_layers: tuple[str, ...] = ()
     fp8 = None
-    if policy.fp8 is not None:  # 2. the blocks' Linears to float8 (engine/fp8.py), before TP reshapes them
+    if policy.fp8 is not None:  # 2. the blocks' Linears to float8 (engine/fp8/convert.py), before TP reshapes them
         gather8 = policy.fp8.float8_all_gather(zero=policy.zero)
         fp8_layers = apply_fp8(
             module, policy=policy.fp8, units=units, device=device, float8_all_gather=gather8, tp=spec.tp
@@ -298,7 +297,7 @@ def parallelize(
         if spec.tp > 1:  # torchao's float8 tensor-parallel styles for the converted Linears
             tp_plan = float8_tp_plan(module, tp_plan, layers=fp8_layers)
     if spec.tp > 1:  # 3. DTensor plans over the tp axis
-        from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+        from lightning_v17.engine.tp.apply import apply_tensor_parallel
 
         apply_tensor_parallel(
             module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.tensor_parallel.sequence_parallel

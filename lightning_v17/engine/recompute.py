@@ -84,7 +84,7 @@ def apply_activation_checkpointing(
         module: the model.
         mode: "none", "selective" or "full" (parsed with :meth:`Recompute.parse`).
         units: the modules to checkpoint; None detects the repeated blocks like ZeRO-3 does
-            (:func:`lightning_v17.engine.fsdp.find_wrap_units`).
+            (:func:`lightning_v17.engine.zero.fsdp.find_wrap_units`).
 
     Returns:
         The units that were checkpointed (empty for "none").
@@ -93,7 +93,7 @@ def apply_activation_checkpointing(
     if mode == Recompute.NONE:
         return []
     if units is None:
-        from lightning_v17.engine.fsdp import find_wrap_units
+        from lightning_v17.engine.zero.fsdp import find_wrap_units
 
         units = find_wrap_units(module)
     _disable_kv_cache(module)

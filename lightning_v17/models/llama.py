@@ -210,7 +210,7 @@ class Llama(nn.Module):
     def tensor_parallel_plan(self) -> dict[str, str]:
         """FQN of every projection -> ``"colwise"`` / ``"rowwise"`` (see :data:`BLOCK_TP_PLAN`, :data:`TOP_TP_PLAN`).
 
-        Strings, not ``ParallelStyle`` objects: ``lightning_v17.engine.tensor_parallel`` turns roles into styles
+        Strings, not ``ParallelStyle`` objects: ``lightning_v17.engine.tp.apply`` turns roles into styles
         (adding sequence/loss parallelism as configured). Modules absent from a pipeline stage are absent here.
         """
         plan = {name: role for name, role in TOP_TP_PLAN.items() if getattr(self, name) is not None}

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.pipeline import PipelineLayout, StageModule
+from lightning_v17.engine.pipeline.runtime import PipelineLayout, StageModule
 from lightning_v17.models.llama import Llama
 
 __all__ = ["model_pipeline_layout"]
@@ -234,7 +234,7 @@ def _hf_layout(model: nn.Module) -> PipelineLayout:
         )  # fmt: skip
         raise V17ConfigError(
             f"{name}.{prefix} {why}, so it cannot be cut into pipeline stages; give the module a pipeline_layout() "
-            "returning a lightning_v17.engine.pipeline.PipelineLayout, or use pp=1"
+            "returning a lightning_v17.engine.pipeline.runtime.PipelineLayout, or use pp=1"
         )
     i = plan.index(blocks[0])
     before = [n for n in plan[:i] if _count_params(getattr(base, n))]
@@ -306,7 +306,7 @@ def _family_layout(module: nn.Module) -> PipelineLayout | None:
         layout = hook()
         if not isinstance(layout, PipelineLayout):
             raise V17ConfigError(
-                f"{type(module).__name__}.pipeline_layout() must return a lightning_v17.engine.pipeline."
+                f"{type(module).__name__}.pipeline_layout() must return a lightning_v17.engine.pipeline.runtime."
                 f"PipelineLayout; got {type(layout).__name__}"
             )
         return layout

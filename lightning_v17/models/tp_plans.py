@@ -1,6 +1,6 @@
 """Where a tensor-parallel plan comes from, and the model-family knowledge behind it.
 
-``lightning_v17.engine.tensor_parallel`` shards whatever plan it is handed and knows no model. This module finds the
+``lightning_v17.engine.tp.apply`` shards whatever plan it is handed and knows no model. This module finds the
 plan, from the first source that has one (:func:`resolve_tp_plan`):
 
 1. the strategy's ``tp_plan=`` option (``explicit``), a dict ``{fqn: style}``;
@@ -41,7 +41,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_v17.config import V17ConfigError, check_tp_divides
-from lightning_v17.engine.tensor_parallel import (
+from lightning_v17.engine.tp.apply import (
     SegmentedColwiseParallel,
     TPPlan,
     apply_tensor_parallel,
@@ -183,7 +183,7 @@ def hf_tp_plan(
     (nested submodels; in recent releases, 5.24 among them, also ``{"model.embed_tokens": "embedding_rowwise"}``, the
     vocab-parallel input embedding added to every plan), and the class ``_tp_plan`` the head (``{"lm_head":
     "colwise_gather_output"}``). The style names mean what they mean in ``transformers/distributed/tensor_parallel.py``
-    (``lightning_v17.engine.tensor_parallel.PARALLEL_STYLES``): ``colwise`` q/k/v leave each rank its heads and the
+    (``lightning_v17.engine.tp.apply.PARALLEL_STYLES``): ``colwise`` q/k/v leave each rank its heads and the
     attention reads the local head count from the shape (``view(*input_shape, -1, head_dim)``).
 
     Args:

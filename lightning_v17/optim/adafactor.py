@@ -27,14 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_v17.engine._dtensor import local_tensor as _local
 from lightning_v17.optim.factory import OptimizerName
 from lightning_v17.optim.local_shards import has_dtensor_params, local_grad
 
 __all__ = ["Adafactor"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _sum_over_shards(t: torch.Tensor, p: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:

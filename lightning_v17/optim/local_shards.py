@@ -27,13 +27,13 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_v17.engine._dtensor import local_tensor as _local
+
 __all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "LocalShardStep", "enable_local_step", "has_dtensor_params",
            "is_elementwise_optimizer", "is_torch_elementwise", "local_grad", "local_shards", "replace_step",
            "step_on_local_shards"]  # fmt: skip
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:

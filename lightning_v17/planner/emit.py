@@ -155,7 +155,7 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
         pass
     elif lay.offload_optimizer in IMPLEMENTED_OFFLOAD_OPTIMIZER and plan.cluster.gpu == "cpu":
         offload["optimizer"] = lay.offload_optimizer
-    else:  # V17's optimizer offload steps CPU parameters only (engine/offload.py); nvme needs the machine's path
+    else:  # V17's optimizer offload steps CPU parameters only (engine/offload/optimizer.py); nvme needs the machine's path
         not_emitted.append(f"offload_optimizer={lay.offload_optimizer.value!r} (the plan counts the optimizer state "
                            "off the device) is not emitted: V17Strategy offloads the optimizer of CPU parameters only "
                            "in this version (nvme also needs nvme_path=); the run keeps it on the device")
@@ -194,7 +194,7 @@ def emit_config(plan: Plan) -> EmittedConfig:
     nodes, devices = _nodes_and_devices(plan)
     precision = lay.precision
     if lay.fp8 is not None:
-        strategy["init_args"]["fp8"] = lay.fp8.value  # the recipe, FP8Policy's shortcut (engine/fp8.py)
+        strategy["init_args"]["fp8"] = lay.fp8.value  # the recipe, FP8Policy's shortcut (engine/fp8/convert.py)
     if precision == Precision.FP8:
         precision = Precision.BF16_MIXED  # fp8 runs as V17Strategy(fp8=...) with bf16-mixed outside the matmuls
     if lay.optimizer != MODEL_OPTIMIZER:

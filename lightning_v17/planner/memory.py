@@ -19,7 +19,7 @@ from lightning_v17.planner.model import Arch, ModelShape
 ACT_ELEMENT_BYTES_16BIT = 2
 #: Bytes of an fp32 element: RMSNorm statistics, RoPE tables and the attention log-sum-exp are fp32 in any precision.
 FP32_BYTES = 4
-#: Linears of a llama block that FP8 converts: wq, wk, wv, wo, w1, w2, w3 (``engine/fp8.py``'s layer rule).
+#: Linears of a llama block that FP8 converts: wq, wk, wv, wo, w1, w2, w3 (``engine/fp8/convert.py``'s layer rule).
 FP8_LINEARS_PER_LLAMA_BLOCK = 7
 
 
@@ -359,7 +359,7 @@ def fp8_activation_delta_bytes_per_layer(
 
     Sources: torchao 0.18 ``float8/float8_linear.py`` (``matmul_with_hp_or_float8_args.forward`` saves
     ``input_hp`` and ``weight_hp_t``, the high-precision tensors, and casts them again in backward) and our
-    ``engine/fp8_delayed.py`` (``_DelayedScaledMM`` saves the float8 casts ``x8`` and ``w8``, as Transformer
+    ``engine/fp8/delayed.py`` (``_DelayedScaledMM`` saves the float8 casts ``x8`` and ``w8``, as Transformer
     Engine's ``Linear`` saves its fp8 input and weight; Micikevicius 2022 §4). With h = hidden, kv =
     kv_heads·head_dim, f = ffn, e = ``element_bytes``, t = tp, per token:
 
@@ -410,7 +410,7 @@ def microbatches_in_flight(*, schedule: Schedule, pp: int, microbatches: int) ->
     Sources: GPipe (Huang 2019) keeps all m; 1F1B (Narayanan 2021 §2.2.1, Korthikanti 2022 §4.2.3) at most p;
     ZB-H1 and ZBV the same as 1F1B, ZB-H2 about 2p - 1 (Qi 2023, Zero Bubble Pipeline Parallelism §3).
     """
-    from lightning_v17.planner.schedules import schedule_info
+    from lightning_v17.config.schedules import schedule_info
 
     if pp <= 1:
         return 1
@@ -453,7 +453,7 @@ def activation_bytes_first_stage(
 def fp8_gathered_params(shape: ModelShape, recipe: FP8Recipe | str | None) -> int:
     """Parameters of the largest ZeRO-3 unit that are all-gathered in float8: with ``tensorwise`` (``fp8_all_gather``
     on, the strategy's default) the Linear weights of a block (``ModelShape.matmul_params_per_block``) when the block
-    is the largest unit and every Linear dimension divides 16 (``engine/fp8.py``'s layer rule); else 0."""
+    is the largest unit and every Linear dimension divides 16 (``engine/fp8/convert.py``'s layer rule); else 0."""
     if recipe is None or FP8Recipe(recipe) != FP8Recipe.TENSORWISE or shape.largest_unit_params != shape.block_params:
         return 0
     if any(d % 16 for d in (shape.hidden, shape.kv_dim, shape.ffn)):

@@ -23,6 +23,7 @@ from lightning_v17.config import (
     ZeroPolicy,
     check_tp_divides,
 )
+from lightning_v17.config.schedules import schedule_info
 from lightning_v17.planner import comm as comm_
 from lightning_v17.planner import memory as mem
 from lightning_v17.planner import offload as off
@@ -32,7 +33,6 @@ from lightning_v17.planner import throughput as thr
 from lightning_v17.planner.hardware import GB, Accelerator, get_accelerator
 from lightning_v17.planner.model import ModelShape
 from lightning_v17.planner.pipeline import OpTimes, bubble_fraction
-from lightning_v17.planner.schedules import schedule_info
 
 
 def _positive(name: str, value: Any, *, allow_none: bool = True, kind: type = int) -> None:

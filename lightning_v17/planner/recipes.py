@@ -10,7 +10,7 @@ Torch-free. The tree (seed §17.4):
 Anti-patterns (seed §17.5, §10.7): TP across nodes; tp not dividing the heads; fewer than 4·p micro-batches; small
 DP with a huge PP; ZeRO with nothing to shard over; a plan that does not fit in device memory. Combinations that
 V17Strategy refuses (PP with ZeRO-2/3, offload_params below ZeRO-3, ...) are warned from the one rules table,
-:mod:`lightning_v17.config_rules`, with its message and fix.
+:mod:`lightning_v17.config.rules`, with its message and fix.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from lightning_v17.config import (
     ZeroPolicy,
     divisors,
 )
-from lightning_v17.config_rules import Layout as RulesLayout
-from lightning_v17.config_rules import Rule, violations
+from lightning_v17.config.rules import Layout as RulesLayout
+from lightning_v17.config.rules import Rule, violations
 
 SMALL_MODEL_PARAMS = 10e9  # seed §17.4: "model ≤ 10B? → FSDP (FULL_SHARD) only"
 MEDIUM_MODEL_PARAMS = 100e9  # seed §17.4: "model ≤ 100B? → TP8 + PP4 + DP"
@@ -176,7 +176,7 @@ def rule_warnings(
     offload_params: Tier = Tier.NONE,
     fp8: FP8Recipe | None = None,
 ) -> list[str]:
-    """The rules of :mod:`lightning_v17.config_rules` the layout violates, each with the table's message and fix:
+    """The rules of :mod:`lightning_v17.config.rules` the layout violates, each with the table's message and fix:
     what ``V17Strategy`` would refuse to build (the planner still plans it, and warns)."""
     tiers = (offload_optimizer, offload_params)
     offload = OffloadPolicy(optimizer=offload_optimizer, params=offload_params,

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_v17.config import OptimizerKind, Precision, Tier
+from lightning_v17.config.schedules import schedule_info
 from lightning_v17.planner import memory as mem
 from lightning_v17.planner.model_search import MaxModel
 from lightning_v17.planner.plan import Plan
-from lightning_v17.planner.schedules import schedule_info
 
 BAR_WIDTH = 32
 

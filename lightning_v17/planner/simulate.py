@@ -386,7 +386,7 @@ _GENERATORS: dict[Schedule, Callable[[int, int, int], dict[int, list[Action]]]] 
 
 def splits_backward(schedule: Schedule | str) -> bool:
     """Whether the schedule runs the backward as separate B (input gradient) and W (weight gradient) actions."""
-    from lightning_v17.planner.schedules import schedule_info
+    from lightning_v17.config.schedules import schedule_info
 
     return schedule_info(schedule).split_backward
 
@@ -407,7 +407,7 @@ def schedule_actions(
         V17ConfigError: a ``virtual_stages`` the schedule does not take, or for the looped schedules an m that
             torch's rounds of ``m // max(1, m // p)`` micro-batches do not divide.
     """
-    from lightning_v17.planner.schedules import Placement, schedule_info
+    from lightning_v17.config.schedules import Placement, schedule_info
 
     schedule = Schedule.parse(schedule, "schedule")
     if pp < 1 or microbatches < 1 or virtual_stages < 1:

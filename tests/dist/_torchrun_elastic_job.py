@@ -79,7 +79,7 @@ def main() -> None:
     from lightning_v17.callbacks import AsyncCheckpoint
 
     from lightning_v17 import V17Strategy
-    from lightning_v17.engine.checkpoint_async import resolve_latest
+    from lightning_v17.checkpoint.async_save import resolve_latest
 
     _event(root, what="imported")
     torch.set_num_threads(1)

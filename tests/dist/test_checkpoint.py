@@ -79,8 +79,8 @@ def _worker(rank: int, world: int, root: str) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lightning_v17.engine.checkpoint import CheckpointCorruptError, load_sharded, partial_path, save_sharded
-    from lightning_v17.engine.checkpoint_async import AsyncShardedSaver
+    from lightning_v17.checkpoint.sharded import CheckpointCorruptError, load_sharded, partial_path, save_sharded
+    from lightning_v17.checkpoint.async_save import AsyncShardedSaver
 
     torch.set_num_threads(1)
     root = Path(root)
@@ -211,7 +211,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
 
 @pytest.mark.timeout(240)
 def test_sharded_checkpoint_two_ranks(tmp_path):
-    from lightning_v17.engine.checkpoint import consolidate, consolidate_main, load_full_state_dict, load_sharded
+    from lightning_v17.checkpoint.sharded import consolidate, consolidate_main, load_full_state_dict, load_sharded
 
     res = spawn(_worker, world_size=2, args=(str(tmp_path),), timeout=200)
     ref = {g: {k: torch.from_numpy(v) for k, v in d.items()} for g, d in res[0]["ref"].items()}

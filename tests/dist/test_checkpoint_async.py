@@ -3,7 +3,7 @@ written; ``fit(ckpt_path="last")`` resumes from the second (the newest COMPLETE)
 bit-identical (==, no tolerance) to the run that was not interrupted before those steps.
 
 The strategy is Lightning's "ddp" (full tensors, the torch.distributed.checkpoint.state_dict FQN layout) and
-V17Strategy(zero_stage=3) (DTensor shards through engine/zero.py), each killed the same way. Dropout, AdamW state, a step LR scheduler and a shuffled
+V17Strategy(zero_stage=3) (DTensor shards through engine/zero/stages_0_2.py), each killed the same way. Dropout, AdamW state, a step LR scheduler and a shuffled
 DistributedSampler make every piece of the saved state (model, optimizer, scheduler, loops, RNG of each rank) matter.
 """
 
@@ -138,8 +138,8 @@ def _launch(fn, world: int, args: tuple, timeout: float) -> tuple[dict[int, obje
 def test_async_checkpoint_sigkill_resume_exact(tmp_path, monkeypatch, strategy):
     """Under Lightning's "ddp" and under V17Strategy(zero_stage=3) (DTensor shards, FQN-keyed sharded optimizer
     state): SIGKILL mid-save, then resume from the newest complete save, bit-exact."""
-    from lightning_v17.engine.checkpoint import is_sharded_checkpoint
-    from lightning_v17.engine.checkpoint_async import TEST_DELAY_ENV, resolve_latest
+    from lightning_v17.checkpoint.sharded import is_sharded_checkpoint
+    from lightning_v17.checkpoint.async_save import TEST_DELAY_ENV, resolve_latest
 
     monkeypatch.setenv(TEST_DELAY_ENV, "1.5")  # test-only: every rank's background write takes >= 1.5 s
     first, first_err = _launch(_run, 2, (str(tmp_path), "first", strategy), timeout=150)
@@ -199,7 +199,7 @@ def _run_v17(rank: int, world: int, root: str, phase: str) -> dict:
 
 @pytest.mark.timeout(200)
 def test_async_checkpoint_v17_zero3_resume_exact(tmp_path):
-    """The same callback over V17Strategy(zero_stage=3) (DTensor shards via engine/zero.py): the newest checkpoint is
+    """The same callback over V17Strategy(zero_stage=3) (DTensor shards via engine/zero/stages_0_2.py): the newest checkpoint is
     lost (deleted with its `latest` pointer), "last" falls back to the newest complete one, losses match exactly."""
     import shutil
 

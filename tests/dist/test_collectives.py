@@ -59,7 +59,7 @@ def _fsdp_grads(rank: int, world: int, native: bool, mapped: bool = False) -> di
         FSDPAllToAllReduceScatter,
         map_gradient_buffers,
     )
-    from lightning_v17.engine.fsdp import apply_fsdp
+    from lightning_v17.engine.zero.fsdp import apply_fsdp
 
     torch.manual_seed(0)
     class Net(nn.Module):

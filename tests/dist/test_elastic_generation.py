@@ -1,4 +1,4 @@
-"""The per-round store prefix of elastic restarts (``lightning_v17.engine.elastic.agree_on_generation``) on a real
+"""The per-round store prefix of elastic restarts (``lightning_v17.resilience.elastic.agree_on_generation``) on a real
 TCPStore that keeps the keys of earlier rounds, as torchrun's agent store does.
 
 Each round's ranks are threads with their own store clients. A round must give one token to all its ranks, and a
@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_v17.engine.elastic import agree_on_generation
+from lightning_v17.resilience.elastic import agree_on_generation
 
 
 def _round(port: int, world: int, delays: dict[int, float]) -> list[str]:

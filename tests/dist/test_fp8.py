@@ -73,8 +73,8 @@ def _reference(recipe: str, *, split: str = "halves", skip: tuple[str, ...] = ()
     import torch
 
     from lightning_v17.config import FP8Policy
-    from lightning_v17.engine.fp8 import apply_fp8
-    from lightning_v17.engine.fsdp import find_wrap_units
+    from lightning_v17.engine.fp8.convert import apply_fp8
+    from lightning_v17.engine.zero.fsdp import find_wrap_units
     from tests._models import hf_llama
 
     model = hf_llama(layers=LAYERS)

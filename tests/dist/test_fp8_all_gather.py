@@ -88,8 +88,8 @@ def _reference(kind: str):
     import torch
 
     from lightning_v17.config import FP8Policy
-    from lightning_v17.engine.fp8 import apply_fp8
-    from lightning_v17.engine.fsdp import find_wrap_units
+    from lightning_v17.engine.fp8.convert import apply_fp8
+    from lightning_v17.engine.zero.fsdp import find_wrap_units
 
     model = _build(kind)
     apply_fp8(model, policy=FP8Policy("tensorwise"), units=find_wrap_units(model), device="cpu")
@@ -124,7 +124,7 @@ def _worker(rank: int, world: int) -> dict:
     from lightning_v17.config import FP8Policy, MeshSpec, TrainingPolicy, ZeroPolicy
     from lightning_v17.engine import collectives
     from lightning_v17.engine.parallelize import parallelize
-    from lightning_v17.engine.trackers.memory import measure_model_state
+    from lightning_v17.trackers.memory import measure_model_state
     from lightning_v17.mesh import MeshRuntime, build_device_mesh
 
     spec = MeshSpec(dp_shard=2)

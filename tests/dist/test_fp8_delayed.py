@@ -37,7 +37,7 @@ def _batches():
 
 
 def _fp8_state(model) -> dict:
-    from lightning_v17.engine.fp8_delayed import DelayedFloat8Linear
+    from lightning_v17.engine.fp8.delayed import DelayedFloat8Linear
 
     return {
         f"{n}.{b}": getattr(m, b).detach().clone()
@@ -51,9 +51,9 @@ def _reference():
     import torch
 
     from lightning_v17.config import FP8Policy
-    from lightning_v17.engine.fp8 import apply_fp8
-    from lightning_v17.engine.fp8_delayed import update_scales
-    from lightning_v17.engine.fsdp import find_wrap_units
+    from lightning_v17.engine.fp8.convert import apply_fp8
+    from lightning_v17.engine.fp8.delayed import update_scales
+    from lightning_v17.engine.zero.fsdp import find_wrap_units
     from tests._models import hf_llama
 
     model = hf_llama(layers=LAYERS)

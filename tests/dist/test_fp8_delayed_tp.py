@@ -53,7 +53,7 @@ def _policy():
 
 def _fp8_state(model) -> dict:
     """This rank's own copy of every history and scale (under TP they are Replicate DTensors: the local tensor)."""
-    from lightning_v17.engine.fp8_delayed import DelayedFloat8Linear, _local
+    from lightning_v17.engine.fp8.delayed import DelayedFloat8Linear, _local
 
     return {
         f"{n}.{b}": _local(getattr(m, b)).detach().clone()
@@ -64,9 +64,9 @@ def _fp8_state(model) -> dict:
 
 
 def _reference():
-    from lightning_v17.engine.fp8 import apply_fp8
-    from lightning_v17.engine.fp8_delayed import update_scales
-    from lightning_v17.engine.fsdp import find_wrap_units
+    from lightning_v17.engine.fp8.convert import apply_fp8
+    from lightning_v17.engine.fp8.delayed import update_scales
+    from lightning_v17.engine.zero.fsdp import find_wrap_units
     from tests.dist.test_tp import make_optimizer, packed_batch, token_mean_loss
 
     model = _model()
@@ -97,8 +97,8 @@ def _worker(rank: int, world: int, ckpt: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lightning_v17.config import MeshSpec, TrainingPolicy, ZeroPolicy
-    from lightning_v17.engine.checkpoint import load_sharded, save_sharded
-    from lightning_v17.engine.fp8_delayed import DelayedFloat8Linear
+    from lightning_v17.checkpoint.sharded import load_sharded, save_sharded
+    from lightning_v17.engine.fp8.delayed import DelayedFloat8Linear
     from lightning_v17.engine.parallelize import parallelize
     from lightning_v17.mesh import MeshRuntime, build_device_mesh
     from lightning_v17.models.tp_plans import resolve_tp_plan
@@ -136,7 +136,7 @@ def _worker(rank: int, world: int, ckpt: str) -> dict:
         losses.append(step(model, done, opt, s))
         per_step.append(len(calls) - before)
         states.append(_fp8_state(model))
-        if s + 1 == RESUME_AT:  # a sharded checkpoint (engine/checkpoint.py: checksummed DCP), histories included
+        if s + 1 == RESUME_AT:  # a sharded checkpoint (checkpoint/sharded.py: checksummed DCP), histories included
             save_sharded(ckpt, app_state=_state_dicts(model, opt), trainer_state={"step": s + 1}, meta={})
     f8 = {n: m for n, m in model.named_modules() if isinstance(m, DelayedFloat8Linear)}
     out = {

@@ -31,8 +31,8 @@ def _model():
 
 def _reference():
     from lightning_v17.config import FP8Policy
-    from lightning_v17.engine.fp8 import apply_fp8
-    from lightning_v17.engine.fsdp import find_wrap_units
+    from lightning_v17.engine.fp8.convert import apply_fp8
+    from lightning_v17.engine.zero.fsdp import find_wrap_units
     from tests.dist.test_tp import make_optimizer, packed_batch, token_mean_loss
 
     model = _model()
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int) -> dict:
 
     from lightning_v17.config import FP8Policy, MeshSpec, PipelinePolicy, TrainingPolicy, ZeroPolicy
     from lightning_v17.engine.parallelize import parallelize
-    from lightning_v17.engine.pipeline import pipeline_step
+    from lightning_v17.engine.pipeline.runtime import pipeline_step
     from lightning_v17.mesh import MeshRuntime, build_device_mesh
     from lightning_v17.models.pp_layouts import model_pipeline_layout
     from tests.dist.test_fp8 import _count_scaled_mm

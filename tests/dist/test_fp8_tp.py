@@ -42,8 +42,8 @@ def _model():
 
 def _reference():
     from lightning_v17.config import FP8Policy
-    from lightning_v17.engine.fp8 import apply_fp8
-    from lightning_v17.engine.fsdp import find_wrap_units
+    from lightning_v17.engine.fp8.convert import apply_fp8
+    from lightning_v17.engine.zero.fsdp import find_wrap_units
     from tests.dist.test_tp import packed_batch, reference_run
 
     model = _model()

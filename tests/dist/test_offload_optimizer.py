@@ -1,5 +1,5 @@
 """``offload_optimizer="cpu"|"nvme"`` under V17Strategy at ZeRO-1/2/3, 2 gloo ranks, against a single-process run of
-the same optimizer (``lightning_v17/engine/offload.py``, ``lightning_v17/engine/nvme.py``).
+the same optimizer (``lightning_v17/engine/offload/optimizer.py``, ``lightning_v17/engine/offload/nvme.py``).
 
 One spawned pair of ranks runs every case (a Trainer per optimizer, stage and tier, with the TinyLM, data and
 LightningModule of tests/dist/test_zero_parity.py). ``CHUNK_MB`` cuts the optimizer's parameters into ~10 chunks, so
@@ -78,7 +78,7 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from lightning_v17.config import OffloadPolicy
-    from lightning_v17.engine.offload import offload_of
+    from lightning_v17.engine.offload.optimizer import offload_of
 
     rank = int(os.environ["RANK"])
     over = {"lr": OPTIMIZERS[name]["lr"] * lr_scale_rank1} if rank == 1 else {}

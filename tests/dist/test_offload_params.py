@@ -1,4 +1,4 @@
-"""``offload_params="nvme"`` (ZeRO-Infinity parameter offload, ``lightning_v17/engine/param_offload.py``) under
+"""``offload_params="nvme"`` (ZeRO-Infinity parameter offload, ``lightning_v17/engine/offload/params.py``) under
 V17Strategy at ZeRO-3 on 2 gloo ranks, against a single-process run of the same optimizer.
 
 One spawned pair of ranks runs every case (the TinyLM, data and LightningModule of tests/dist/test_zero_parity.py).
@@ -67,8 +67,8 @@ def fit_params(root: str, tag: str, *, params: str = "nvme", optimizer: str = "n
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from lightning_v17.config import OffloadPolicy
-    from lightning_v17.engine import host_buffers
-    from lightning_v17.engine.offload import offload_of
+    from lightning_v17.engine.offload import host_memory as host_buffers
+    from lightning_v17.engine.offload.optimizer import offload_of
 
     rank = int(os.environ["RANK"])
     model = _lit_cls((lambda p: _make(opt, p)) if opt else None)()
@@ -247,7 +247,7 @@ def gathered_memory_probe(into: set | None) -> None:
     """
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
-    from lightning_v17.engine.host_buffers import trim_heap
+    from lightning_v17.engine.offload.host_memory import trim_heap
     from tests._glibc import mapped_by
 
     for name in ("foreach_all_gather", "foreach_all_gather_copy_out"):

@@ -153,7 +153,7 @@ def _trace_collectives(events: list) -> None:
 def _zero3_run(rank: int, overlap: bool, prefetch: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_v17.engine.fsdp import apply_fsdp
+    from lightning_v17.engine.zero.fsdp import apply_fsdp
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
     root = nn.Module()
@@ -262,7 +262,7 @@ def _zero12_run(rank: int, stage: int, overlap: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import lightning_v17.engine.zero as Z
+    import lightning_v17.engine.zero.stages_0_2 as Z
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
     model = _model()

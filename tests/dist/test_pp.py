@@ -35,7 +35,7 @@ def _pp_worker(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_v17.config import PipelinePolicy
-    from lightning_v17.engine.pipeline import build_schedule, pipeline_eval, pipeline_step, split_model
+    from lightning_v17.engine.pipeline.runtime import build_schedule, pipeline_eval, pipeline_step, split_model
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     torch.set_num_threads(1)
@@ -106,7 +106,7 @@ def _loss_mask_check(rank, base, pp_mesh) -> dict:
     import torch.nn.functional as F
 
     from lightning_v17.config import PipelinePolicy
-    from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+    from lightning_v17.engine.pipeline.runtime import build_schedule, pipeline_step, split_model
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     b = packed_batch(6)
@@ -130,7 +130,7 @@ def _loss_mask_check(rank, base, pp_mesh) -> dict:
 def _loss_scale_check(rank, base, pp_mesh) -> dict:
     """fp16 loss scaling through the schedule: gradients scale by S, the returned loss does not."""
     from lightning_v17.config import PipelinePolicy
-    from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+    from lightning_v17.engine.pipeline.runtime import build_schedule, pipeline_step, split_model
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     policy = PipelinePolicy(schedule="gpipe", microbatches=4)
@@ -148,8 +148,8 @@ def _loss_scale_check(rank, base, pp_mesh) -> dict:
 def _checkpoint_roundtrip(rank, tmp, pp_model, base, ref_params, pp_mesh) -> dict:
     """pp=2 -> pp=1 and pp=1 -> pp=2 through the checkpoint engine (DCP reshards by FQN)."""
     from lightning_v17.config import PipelinePolicy
-    from lightning_v17.engine.checkpoint import load_full_state_dict, load_sharded, save_sharded
-    from lightning_v17.engine.pipeline import split_model
+    from lightning_v17.checkpoint.sharded import load_full_state_dict, load_sharded, save_sharded
+    from lightning_v17.engine.pipeline.runtime import split_model
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     path = f"{tmp}/pp2"

@@ -34,8 +34,8 @@ def _batches(dp: int, seed: int) -> list[list[dict]]:
 
 def _pp_dp_zero1(base) -> dict:
     from lightning_v17.config import MeshSpec, PipelinePolicy
-    from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
-    from lightning_v17.engine.zero import apply_zero
+    from lightning_v17.engine.pipeline.runtime import build_schedule, pipeline_step, split_model
+    from lightning_v17.engine.zero.stages_0_2 import apply_zero
     from lightning_v17.mesh import build_device_mesh
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 
@@ -71,8 +71,8 @@ def _pp_dp_zero1(base) -> dict:
 
 def _tp_dp_fsdp(base) -> dict:
     from lightning_v17.config import MeshSpec
-    from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
-    from lightning_v17.engine.zero import apply_zero
+    from lightning_v17.engine.tp.apply import apply_tensor_parallel
+    from lightning_v17.engine.zero.stages_0_2 import apply_zero
     from lightning_v17.mesh import build_device_mesh
 
     mesh = build_device_mesh(MeshSpec(dp_shard=2, tp=2), device_type="cpu")
@@ -104,8 +104,8 @@ def _tp_dp_fsdp(base) -> dict:
 
 def _pp_tp(base) -> dict:
     from lightning_v17.config import MeshSpec, PipelinePolicy
-    from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
-    from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+    from lightning_v17.engine.pipeline.runtime import build_schedule, pipeline_step, split_model
+    from lightning_v17.engine.tp.apply import apply_tensor_parallel
     from lightning_v17.mesh import build_device_mesh
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 

@@ -106,7 +106,7 @@ def reference(base, batches, loss_of) -> tuple[list[float], dict[str, torch.Tens
 
 def pipeline_run(base, batches, pp_mesh, *, schedule="1f1b", v=1, m=4, split_points=None, loss_fn=None):
     from lightning_v17.config import PipelinePolicy
-    from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+    from lightning_v17.engine.pipeline.runtime import build_schedule, pipeline_step, split_model
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     policy = PipelinePolicy(schedule=schedule, microbatches=m, virtual_stages=v, split_points=split_points)
@@ -171,7 +171,7 @@ def _hf_features_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_v17.config import V17ConfigError
-    from lightning_v17.engine.pipeline import pipeline_eval, pipeline_step
+    from lightning_v17.engine.pipeline.runtime import pipeline_eval, pipeline_step
 
     torch.set_num_threads(1)
     pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))["pp"]
@@ -318,7 +318,7 @@ def _failing_stage_worker(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_v17.config import PipelinePolicy
-    from lightning_v17.engine.pipeline import build_schedule, pipeline_step, split_model
+    from lightning_v17.engine.pipeline.runtime import build_schedule, pipeline_step, split_model
     from lightning_v17.models.pp_layouts import model_pipeline_layout
 
     torch.set_num_threads(1)

@@ -203,11 +203,11 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
     import torch.nn.functional as F
 
     from lightning_v17.config import MeshSpec
-    from lightning_v17.engine import state_dict as SD
-    from lightning_v17.engine import zero as Z
-    from lightning_v17.engine.checkpoint import load_sharded, save_sharded
-    from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
-    from lightning_v17.engine.zero_backend import ZeroBackend
+    from lightning_v17.engine.zero import state_dict as SD
+    from lightning_v17.engine.zero import stages_0_2 as Z
+    from lightning_v17.checkpoint.sharded import load_sharded, save_sharded
+    from lightning_v17.engine.tp.apply import apply_tensor_parallel
+    from lightning_v17.engine.zero.backend import ZeroBackend
     from lightning_v17.mesh import build_device_mesh
     from lightning_v17.models import Llama, ModelConfig
 

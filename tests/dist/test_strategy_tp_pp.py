@@ -214,7 +214,7 @@ def test_strategy_errors_name_the_option_and_the_fix() -> None:
     from lightning_v17.strategies import V17Strategy
 
     from lightning_v17.config import PipelinePolicy, TPPolicy, V17ConfigError
-    from lightning_v17.engine.pipeline import split_model
+    from lightning_v17.engine.pipeline.runtime import split_model
     from lightning_v17.models import LlamaLM
     from lightning_v17.models.pp_layouts import model_pipeline_layout
     from lightning_v17.models.tp_plans import resolve_tp_plan

@@ -1,6 +1,6 @@
 """Plain ``torchrun --max-restarts 1`` restarts a V17 job: rank 1 hard-exits after step 10, the agent restarts both
 workers, they re-form the process group (each attempt's store keys under their own prefix,
-``lightning_v17.engine.elastic``) and resume from the newest complete async checkpoint, bit-exact.
+``lightning_v17.resilience.elastic``) and resume from the newest complete async checkpoint, bit-exact.
 
 Without the per-attempt prefix the restarted workers read the dead attempt's keys from the agent's shared store and
 often fail in gloo's connectFullMesh ("Connection refused") or hang (pytorch/pytorch#135712). One try here (about a

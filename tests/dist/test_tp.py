@@ -142,7 +142,7 @@ class CollectiveCounter:
 def _tp_worker(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_v17.engine.tensor_parallel import apply_tensor_parallel, loss_parallel_context
+    from lightning_v17.engine.tp.apply import apply_tensor_parallel, loss_parallel_context
 
     torch.set_num_threads(1)
     tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"]
@@ -196,8 +196,8 @@ def _tp_checkpoint_roundtrip(rank, tmp, tp_model, base, ref_params, tp_mesh) -> 
     """tp=2 -> tp=1 and tp=1 -> tp=2 through the checkpoint engine (DCP reshards DTensors by FQN)."""
     import torch.distributed as dist
 
-    from lightning_v17.engine.checkpoint import load_full_state_dict, load_sharded, save_sharded
-    from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+    from lightning_v17.checkpoint.sharded import load_full_state_dict, load_sharded, save_sharded
+    from lightning_v17.engine.tp.apply import apply_tensor_parallel
 
     path = f"{tmp}/tp2"
     save_sharded(path, app_state={"model": tp_model.state_dict()}, trainer_state={}, meta={"tp": 2})

@@ -44,7 +44,7 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _train(model, forward, batches, *, loss_parallel: bool = False) -> tuple[list[float], str]:
     """``STEPS`` AdamW steps; returns the losses and the logits' layout ("plain" or the DTensor placements)."""
-    from lightning_v17.engine.tensor_parallel import loss_parallel_context
+    from lightning_v17.engine.tp.apply import loss_parallel_context
 
     opt = make_optimizer(model.parameters())
     losses, layout = [], "plain"
@@ -62,7 +62,7 @@ def _train(model, forward, batches, *, loss_parallel: bool = False) -> tuple[lis
 
 def _case(base, forward, tp_mesh, plan_fn, *, loss_parallel: bool = False) -> dict:
     """Reference run on a copy, then TP on another copy with ``plan_fn(model)``; losses, params, layout."""
-    from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+    from lightning_v17.engine.tp.apply import apply_tensor_parallel
 
     batches = _batches()
     ref = copy.deepcopy(base)
@@ -229,7 +229,7 @@ def _litgpt_worker(rank: int, world: int) -> dict:
     }
     # the fused qkv keeps its FQN and its true [q; k; v] layout: this rank's local rows are the contiguous Shard(0)
     # chunk of the unpermuted weight, and attention runs with local head counts
-    from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+    from lightning_v17.engine.tp.apply import apply_tensor_parallel
 
     model = copy.deepcopy(gqa)
     apply_tensor_parallel(model, tp_mesh=tp_mesh, plan=resolve_tp_plan(model))

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 bucket packing (issue 16, lightning_v17/engine/zero_comm.py), checked bit for bit on 2 gloo ranks.
+"""ZeRO-1/2 bucket packing (issue 16, lightning_v17/engine/zero/comm.py), checked bit for bit on 2 gloo ranks.
 
 Against an independent reference built from plain ``torch.distributed.all_gather`` of each rank's raw gradients:
 
@@ -36,7 +36,7 @@ class _Net(nn.Module):
 def _case(rank: int, world: int, stage: int, reduce_dtype: torch.dtype | None) -> dict:
     import torch.distributed as dist
 
-    from lightning_v17.engine.zero import ZeroEngine
+    from lightning_v17.engine.zero.stages_0_2 import ZeroEngine
 
     torch.manual_seed(0)
     model = _Net()
@@ -83,8 +83,8 @@ def _local_rows_untouched(rank: int, world: int) -> list:
     copied back from the receive buffer) and the other ranks' rows must be the peer's."""
     import torch.distributed as dist
 
-    from lightning_v17.engine.zero import ZeroEngine
-    from lightning_v17.engine.zero_comm import gather_bucket
+    from lightning_v17.engine.zero.stages_0_2 import ZeroEngine
+    from lightning_v17.engine.zero.comm import gather_bucket
 
     torch.manual_seed(0)
     model = _Net()

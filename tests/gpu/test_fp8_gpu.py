@@ -64,8 +64,8 @@ def _llama_1b():
 
 def _tokens_per_s(fp8: bool, steps: int = 6, batch: int = 4, seq: int = 2048) -> float:
     from lightning_v17.config import FP8Policy
-    from lightning_v17.engine.fp8 import apply_fp8
-    from lightning_v17.engine.fsdp import find_wrap_units
+    from lightning_v17.engine.fp8.convert import apply_fp8
+    from lightning_v17.engine.zero.fsdp import find_wrap_units
 
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_v17.engine.trackers.bad_steps import BadStepError, BadStepTracker
+from lightning_v17.trackers.bad_steps import BadStepError, BadStepTracker
 
 
 def _warm(t: BadStepTracker, n: int = 10, loss: float = 1.0) -> None:

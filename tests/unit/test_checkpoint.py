@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from lightning_v17.engine.checkpoint import (
+from lightning_v17.checkpoint.async_save import AsyncShardedSaver
+from lightning_v17.checkpoint.sharded import (
     CheckpointCorruptError,
     consolidate,
     consolidate_main,
@@ -21,7 +22,6 @@ from lightning_v17.engine.checkpoint import (
     partial_path,
     save_sharded,
 )
-from lightning_v17.engine.checkpoint_async import AsyncShardedSaver
 
 
 class Net(nn.Module):

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from lightning_v17.engine.checkpoint import load_full_state_dict
-from lightning_v17.engine.checkpoint_async import AsyncShardedSaver
+from lightning_v17.checkpoint.async_save import AsyncShardedSaver
+from lightning_v17.checkpoint.sharded import load_full_state_dict
 
 
 def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -26,7 +26,7 @@ def test_keep_last_latest_and_wait_reporting(tmp_path, monkeypatch):
     import lightning as L
     from lightning_v17.callbacks import AsyncCheckpoint
 
-    from lightning_v17.engine.checkpoint_async import TEST_DELAY_ENV, complete_checkpoints
+    from lightning_v17.checkpoint.async_save import TEST_DELAY_ENV, complete_checkpoints
 
     monkeypatch.setenv(TEST_DELAY_ENV, "0.6")  # each background write takes >= 0.6 s; steps take milliseconds
     L.seed_everything(0, verbose=False)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from lightning_v17.engine.checkpoint import (
+from lightning_v17.checkpoint.async_save import load_lightning_checkpoint
+from lightning_v17.checkpoint.sharded import (
     META_FILE,
     TRAINER_STATE_FILE,
     UnsafeCheckpointError,
@@ -26,7 +27,6 @@ from lightning_v17.engine.checkpoint import (
     load_trainer_state,
     save_sharded,
 )
-from lightning_v17.engine.checkpoint_async import load_lightning_checkpoint
 from tests._dist import spawn
 from tests.dist.test_checkpoint_async import _make_module
 
@@ -178,7 +178,7 @@ def test_dcp_index_with_code_is_refused_before_dcp_unpickles_it(tmp_path):
 
 def test_consolidate_refuses_a_pickled_non_tensor_entry_unless_trusted(tmp_path, capsys):
     """DCP stores non-tensor values as torch.save bytes and reads them back with weights_only=False."""
-    from lightning_v17.engine.checkpoint import consolidate_main, load_full_state_dict
+    from lightning_v17.checkpoint.sharded import consolidate_main, load_full_state_dict
 
     ckpt, marker = tmp_path / "ck", tmp_path / "marker"
     state = {"w": torch.ones(2), "payload": _CodeOnLoad(marker)}

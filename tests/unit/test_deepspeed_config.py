@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_v17.config import OffloadPolicy, Precision, Recompute, V17ConfigError, ZeroPolicy
-from lightning_v17.deepspeed_config import from_deepspeed_config
+from lightning_v17.config.deepspeed import from_deepspeed_config
 
 DS = {
     "train_micro_batch_size_per_gpu": 4,

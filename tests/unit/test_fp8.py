@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from lightning_v17.config import FP8Backend, FP8Policy, V17ConfigError, ZeroPolicy
-from lightning_v17.engine.fp8 import apply_fp8, resolve_fp8_backend, select_fp8_linears
-from lightning_v17.engine.fsdp import find_wrap_units
+from lightning_v17.engine.fp8.convert import apply_fp8, resolve_fp8_backend, select_fp8_linears
+from lightning_v17.engine.zero.fsdp import find_wrap_units
 
 pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear
@@ -66,7 +66,7 @@ def test_reference_llama_converts_exactly_the_block_linears(recipe):
 def test_a_meta_device_model_converts_then_materializes_with_its_own_init():
     """ZeRO-3 builds ``configure_model`` on the meta device: the swap must not allocate, and the deferred init
     (``init_weights`` by FQN) must give the same weights as an eagerly built model."""
-    from lightning_v17.engine.fsdp import materialize_meta_module
+    from lightning_v17.engine.zero.fsdp import materialize_meta_module
 
     eager = _llama()
     with torch.device("meta"):
@@ -213,7 +213,7 @@ def test_fp8_backend_te_without_an_fp8_gpu_names_the_fix():
 
 
 def test_fp8_options_all_gather_and_history_len_parse_or_are_refused_with_the_fix():
-    from lightning_v17.engine.fp8 import float8_config
+    from lightning_v17.engine.fp8.convert import float8_config
 
     tw, rw = _strategy(fp8="tensorwise").policy.fp8, _strategy(fp8="rowwise").policy.fp8
     z1, z3 = ZeroPolicy(stage=1), ZeroPolicy(stage=3)

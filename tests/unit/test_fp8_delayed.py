@@ -1,4 +1,4 @@
-"""Delayed scaling (``fp8="delayed"``, ``engine/fp8_delayed.py``), one process: the three float8 GEMMs per step, the
+"""Delayed scaling (``fp8="delayed"``, ``engine/fp8/delayed.py``), one process: the three float8 GEMMs per step, the
 history and the scales, and that the output is the fp32 Linear's within float8 precision.
 
 The distributed checks (amax synced over dp, bitwise-equal histories, parity, resume, dp2 -> dp1) are in
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from lightning_v17.config import FP8Policy
-from lightning_v17.engine.fp8 import apply_fp8
-from lightning_v17.engine.fp8_delayed import DelayedFloat8Linear, update_scales
-from lightning_v17.engine.fsdp import find_wrap_units
+from lightning_v17.engine.fp8.convert import apply_fp8
+from lightning_v17.engine.fp8.delayed import DelayedFloat8Linear, update_scales
+from lightning_v17.engine.zero.fsdp import find_wrap_units
 
 E4M3_MAX, E5M2_MAX = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e5m2).max
 
@@ -120,7 +120,7 @@ def test_delayed_keeps_the_plain_tp_styles_and_refuses_others():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from lightning_v17.config import V17ConfigError
-    from lightning_v17.engine.fp8 import float8_tp_plan
+    from lightning_v17.engine.fp8.convert import float8_tp_plan
 
     model = _llama(layers=1)
     layers = apply_fp8(model, policy=FP8Policy("delayed"), units=find_wrap_units(model), device="cpu")

@@ -4,7 +4,7 @@ What FP8 really changes in memory, measured here on the tiny reference Llama (CP
 
 * **Saved activations.** torchao's ``Float8Linear`` (``tensorwise``, ``rowwise``) saves the high-precision input and
   weight and casts again in backward: the per-block saved bytes are those of the plain model (measured equal).
-  Delayed scaling (``engine/fp8_delayed.py``) saves the float8 casts: a 1-byte input copy per converted Linear and a
+  Delayed scaling (``engine/fp8/delayed.py``) saves the float8 casts: a 1-byte input copy per converted Linear and a
   1-byte copy of every converted weight, and frees the high-precision tensors only those Linears kept.
   :func:`planner.memory.fp8_activation_delta_bytes_per_layer` models the difference; it is held here against the
   measured difference (fp8 minus plain, same blocks and input) to the byte, fp32 and bf16 with recompute none, fp32
@@ -48,7 +48,7 @@ DTYPES = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
 
 def _saved_bytes_per_layer(recipe: str | None, dtype: torch.dtype, recompute: str) -> float:
     from bench.activations import _blocks, _forward, _StorageRecorder
-    from lightning_v17.engine.fp8 import apply_fp8
+    from lightning_v17.engine.fp8.convert import apply_fp8
 
     model, blocks, _ = _blocks(TINY, recompute=recompute, dtype=dtype, device="cpu")
     if recipe is not None:
@@ -101,7 +101,7 @@ def _unsharded_unit_bytes(float8_all_gather: bool) -> tuple[int, int, int]:
     from torchao.float8.float8_linear import Float8Linear
 
     from bench.activations import _StorageRecorder
-    from lightning_v17.engine.fp8 import apply_fp8
+    from lightning_v17.engine.fp8.convert import apply_fp8
     from lightning_v17.models import Llama
 
     mesh = init_device_mesh("cpu", (1,))

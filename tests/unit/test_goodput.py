@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_v17.engine.trackers.goodput import GoodputBreakdown, GoodputTracker
 from lightning_v17.planner.resilience import daly_interval_s, expected_goodput, young_interval_s
+from lightning_v17.trackers.goodput import GoodputBreakdown, GoodputTracker
 
 
 def _simulate(

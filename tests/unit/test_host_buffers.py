@@ -1,4 +1,4 @@
-"""glibc settings of the offload tiers (``lightning_v17/engine/host_buffers.py``), in a fresh process each: mallopt
+"""glibc settings of the offload tiers (``lightning_v17/engine/offload/host_memory.py``), in a fresh process each: mallopt
 changes the whole process, so the test process itself is left alone."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from lightning_v17.engine.host_buffers import _env_threshold, _libc
+from lightning_v17.engine.offload.host_memory import _env_threshold, _libc
 
 _MALLINFO = r"""
 import torch
-from lightning_v17.engine import host_buffers as hb
+from lightning_v17.engine.offload import host_memory as hb
 from tests._glibc import mapped_by
 """
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_v17.config import LossScalePolicy
-from lightning_v17.engine.trackers.loss_scale import LossScaleError, LossScaleTracker, ShardedLossScaler
+from lightning_v17.trackers.loss_scale import LossScaleError, LossScaleTracker, ShardedLossScaler
 
 
 def test_seed_algorithm_up_skip_down():

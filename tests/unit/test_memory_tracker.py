@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_v17.engine.trackers.memory import (
+from lightning_v17.trackers.memory import (
     StorageCounter,
     bar_chart,
     measure_model_state,

@@ -1,4 +1,4 @@
-"""The NVMe tier's files, I/O and checks (``lightning_v17/engine/nvme.py``), and the offload options' errors before
+"""The NVMe tier's files, I/O and checks (``lightning_v17/engine/offload/nvme.py``), and the offload options' errors before
 training starts (V17Strategy construction, the DeepSpeed config mapping). Real files under pytest's tmp_path."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_v17.config import OffloadPolicy, Tier, V17ConfigError
-from lightning_v17.engine.nvme import NvmeFileSet, ThreadPoolIO, check_nvme_path, free_margin_bytes, open_io
+from lightning_v17.engine.offload.nvme import NvmeFileSet, ThreadPoolIO, check_nvme_path, free_margin_bytes
+from lightning_v17.engine.offload.tier_io import open_io
 from tests.unit.test_nvme_aio import fs_type
 
 
@@ -55,8 +56,8 @@ def test_a_finished_io_leaves_no_view_of_its_tensor_behind() -> None:
     an executor that keeps every work item forever, the worst case of that race."""
     from concurrent.futures import Future
 
-    from lightning_v17.engine.host_buffers import sole_owner
-    from lightning_v17.engine.nvme import host_buffer, submit_io
+    from lightning_v17.engine.offload.host_memory import sole_owner
+    from lightning_v17.engine.offload.nvme import host_buffer, submit_io
 
     class KeepsWorkItems:
         def __init__(self) -> None:
@@ -172,7 +173,7 @@ def test_strategy_refuses_before_training(tmp_path) -> None:
 
 
 def test_deepspeed_offload_keys_map_onto_the_policy(tmp_path) -> None:
-    from lightning_v17.deepspeed_config import from_deepspeed_config
+    from lightning_v17.config.deepspeed import from_deepspeed_config
 
     cfg = {"zero_optimization": {
         "stage": 3,
@@ -248,7 +249,7 @@ def test_param_offload_refused_before_training(tmp_path) -> None:
 
 
 def test_deepspeed_offload_param_nvme_maps_onto_the_policy(tmp_path) -> None:
-    from lightning_v17.deepspeed_config import from_deepspeed_config
+    from lightning_v17.config.deepspeed import from_deepspeed_config
 
     cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
     off = from_deepspeed_config(cfg).offload

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_v17.engine.nvme_aio import AioIO, _aio_module, aio_backend_or_reason
+from lightning_v17.engine.offload.aio import AioIO, _aio_module, aio_backend_or_reason
 
 
 def fs_type(path) -> str:
@@ -114,11 +114,11 @@ def test_alloc_falls_back_to_a_host_buffer_when_locking_is_refused(aio, caplog):
         def __getattr__(self, name):
             return getattr(self.real, name)
 
-    from lightning_v17.engine import nvme_aio
+    from lightning_v17.engine.offload import aio as nvme_aio
 
     aio._rh = Refusing(aio._rh)
     nvme_aio._WARNED.clear()
-    with caplog.at_level("WARNING", logger="lightning_v17.engine.nvme_aio"):
+    with caplog.at_level("WARNING", logger="lightning_v17.engine.offload.aio"):
         buf = aio.alloc(8192)
     assert buf.numel() == 8192 and not aio._rh.is_pinned(buf) and not aio._locked
     assert "no page-locked buffers" in caplog.text and "mlock failed" in caplog.text
@@ -130,7 +130,7 @@ def test_in_place_slots_at_an_offset_leave_the_rest_of_the_file(request, tmp_pat
     """The parameter tier's unit files: slots written in place at page-aligned offsets (``write(..., offset=)``, no
     truncation) and read back from them (``read_into(..., offset=)``), checked against the bytes on disk read
     independently; the neighbouring slots keep their bytes; an offset off the O_DIRECT alignment is refused."""
-    from lightning_v17.engine.nvme import ThreadPoolIO
+    from lightning_v17.engine.offload.nvme import ThreadPoolIO
 
     io = request.getfixturevalue("aio") if backend == "deepspeed_aio" else ThreadPoolIO()
     path, slot = tmp_path / "unit.bin", 4096

@@ -1,4 +1,4 @@
-"""The optimizer offload engine (``lightning_v17/engine/offload.py``) in one process, on real files.
+"""The optimizer offload engine (``lightning_v17/engine/offload/optimizer.py``) in one process, on real files.
 
 For every optimizer of the library the offloaded optimizer (cpu tier, nvme tier, and a 50/50 cpu/nvme split), stepped
 chunk by chunk through 1-parameter-sized chunks, ends bit for bit where the same optimizer stepped normally ends, over
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_v17.config import Tier
-from lightning_v17.engine.offload import attach_offload, materialized, offload_of
+from lightning_v17.engine.offload.optimizer import attach_offload, materialized, offload_of
 from tests.dist.test_zero_parity import loss_fn, make_data, make_model
 
 STEPS, BATCH = 5, 8
@@ -219,7 +219,7 @@ def test_write_back_overlaps_the_next_step(tmp_path) -> None:
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from lightning_v17.engine import offload as engine
+    from lightning_v17.engine.offload import optimizer as engine
 
     ref_model, ref_opt, ref_losses = _train("adamw", None)
     n_bytes = sum(p.numel() * 4 for p in make_model().parameters())
@@ -336,8 +336,8 @@ def test_chunk_buffers_come_from_a_bounded_pool_refilled_only_when_nothing_else_
 
 
 def test_sole_owner_counts_views() -> None:
-    from lightning_v17.engine.host_buffers import sole_owner
-    from lightning_v17.engine.nvme import host_buffer
+    from lightning_v17.engine.offload.host_memory import sole_owner
+    from lightning_v17.engine.offload.nvme import host_buffer
 
     buf = host_buffer(2**20)
     assert sole_owner(buf)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_v17.engine.pipeline import BubbleTimer, replay_actions
+from lightning_v17.engine.pipeline.runtime import BubbleTimer, replay_actions
 
 
 def _gpipe(rank: int, m: int, f: float, b: float) -> list[tuple[str, int, int, float]]:

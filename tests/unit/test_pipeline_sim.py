@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_v17.config import Schedule, V17ConfigError
+from lightning_v17.config.schedules import SCHEDULES, schedule_info
 from lightning_v17.planner.pipeline import bubble_fraction
-from lightning_v17.planner.schedules import SCHEDULES, schedule_info
 from lightning_v17.planner.simulate import (
     OpTimes,
     sample_bubbles,

@@ -10,17 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_v17.config import PipelinePolicy, V17ConfigError, ZeroPolicy
-from lightning_v17.engine.pipeline import (
+from lightning_v17.config.schedules import schedule_info
+from lightning_v17.engine.pipeline.runtime import (
     PipelineLayout,
     PipelineLoss,
     balanced_split_points,
     check_pipeline_composition,
 )
-from lightning_v17.engine.pipeline import split_model as _split_model
-from lightning_v17.engine.tensor_parallel import check_tensor_parallel, llama_tp_plan
+from lightning_v17.engine.pipeline.runtime import split_model as _split_model
+from lightning_v17.engine.tp.apply import check_tensor_parallel, llama_tp_plan
 from lightning_v17.models import Llama, ModelConfig
 from lightning_v17.models.pp_layouts import model_pipeline_layout
-from lightning_v17.planner.schedules import schedule_info
 
 
 def _model(**kw) -> Llama:
@@ -161,7 +161,7 @@ class _FakeMesh:
 
 
 def test_tensor_parallel_plan_sources():
-    from lightning_v17.engine.tensor_parallel import apply_tensor_parallel
+    from lightning_v17.engine.tp.apply import apply_tensor_parallel
 
     seen = []
 
@@ -217,7 +217,7 @@ def test_engine_imports_no_model_family():
     import ast
     import inspect
 
-    import lightning_v17.engine.pipeline as engine
+    import lightning_v17.engine.pipeline.runtime as engine
 
     imported = set()
     for node in ast.walk(ast.parse(inspect.getsource(engine))):
@@ -317,7 +317,7 @@ def test_padding_rows_add_nothing_and_never_reach_loss_fn():
 def test_ragged_batches_pad_to_the_established_size_per_mode():
     from types import SimpleNamespace
 
-    from lightning_v17.engine.pipeline import _padded_rows
+    from lightning_v17.engine.pipeline.runtime import _padded_rows
 
     rt = SimpleNamespace(policy=PipelinePolicy(microbatches=4), shapes={}, last_train=None)
 
@@ -338,7 +338,7 @@ def test_ragged_batches_pad_to_the_established_size_per_mode():
 
 
 def test_batch_forms_and_errors():
-    from lightning_v17.engine.pipeline import _as_dict
+    from lightning_v17.engine.pipeline.runtime import _as_dict
 
     ids = torch.zeros(2, 4, dtype=torch.long)
     assert set(_as_dict((ids, ids))) == {"input_ids", "labels"}
@@ -352,7 +352,7 @@ def test_batch_forms_and_errors():
 
 
 def test_failure_watch_is_inert_without_a_process_group():
-    from lightning_v17.engine.pipeline import PeerFailureWatch
+    from lightning_v17.engine.pipeline.runtime import PeerFailureWatch
 
     watch = PeerFailureWatch("k")
     assert not watch.active

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_v17.config import PipelinePolicy, V17ConfigError
-from lightning_v17.engine.pipeline import PipelineLayout, PipelineLoss, split_model
+from lightning_v17.engine.pipeline.runtime import PipelineLayout, PipelineLoss, split_model
 from lightning_v17.models import Llama, ModelConfig
 from lightning_v17.models.pp_layouts import model_pipeline_layout
 from tests._models import hf_causal_lm, litgpt_gpt
@@ -142,7 +142,7 @@ def test_pipeline_layout_hook_wins_and_is_checked():
         def pipeline_layout(self):
             return {"blocks": "layers"}
 
-    with pytest.raises(V17ConfigError, match="must return a lightning_v17.engine.pipeline.PipelineLayout"):
+    with pytest.raises(V17ConfigError, match="must return a lightning_v17.engine.pipeline.runtime.PipelineLayout"):
         model_pipeline_layout(Wrong())
 
 

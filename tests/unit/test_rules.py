@@ -1,4 +1,4 @@
-"""The one rules table (lightning_v17/config_rules.py): every rule, constructed as a user would write the violating
+"""The one rules table (lightning_v17/config/rules.py): every rule, constructed as a user would write the violating
 strategy, raises its own message and fix at construction; the engine's check and the planner read the same table."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import pytest
 
 from lightning_v17.config import TrainingPolicy, V17ConfigError, ZeroPolicy
-from lightning_v17.config_rules import RULES, Layout, violations
+from lightning_v17.config.rules import RULES, Layout, violations
 
 
 def _example(rule, tmp_path) -> dict:

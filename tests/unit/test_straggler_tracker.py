@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lightning_v17.engine.trackers.straggler import StragglerTracker, mad, median, quantile
+from lightning_v17.trackers.straggler import StragglerTracker, mad, median, quantile
 
 
 def test_robust_stats_by_hand():

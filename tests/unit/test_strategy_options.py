@@ -19,7 +19,7 @@ from lightning_v17.config import (
     V17ConfigError,
     ZeroPolicy,
 )
-from lightning_v17.planner.schedules import SCHEDULES, Placement, schedule_info
+from lightning_v17.config.schedules import SCHEDULES, Placement, schedule_info
 
 
 def _strategy(**kw):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning_v17.callbacks.throughput import _batch_counts, model_shape_of
 
-from lightning_v17.engine.trackers.throughput import (
+from lightning_v17.trackers.throughput import (
     StepSample,
     ThroughputTracker,
     mfu,
@@ -91,7 +91,7 @@ def test_cpu_mfu_peak_follows_the_precision_in_use(precision, dtype):
 
     from lightning_v17.callbacks import ThroughputMonitor
 
-    from lightning_v17.engine.trackers.throughput import probe_peak_flops_per_s
+    from lightning_v17.trackers.throughput import probe_peak_flops_per_s
 
     mon = ThroughputMonitor()
     trainer = SimpleNamespace(

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.tensor_parallel import (
+from lightning_v17.engine.tp.apply import (
     PARALLEL_STYLES,
     apply_tensor_parallel,
     expand_plan,
@@ -26,7 +26,7 @@ from lightning_v17.models import Llama, ModelConfig
 from lightning_v17.models.tp_plans import ModelTPPlan, llama_default_roles, resolve_tp_plan
 from tests._models import hf_causal_lm, litgpt_gpt
 
-ENGINE = Path(__file__).resolve().parents[2] / "lightning_v17" / "engine" / "tensor_parallel.py"
+ENGINE = Path(__file__).resolve().parents[2] / "lightning_v17" / "engine" / "tp" / "apply.py"
 
 
 class _FakeMesh:
@@ -167,7 +167,7 @@ def test_plan_that_would_untie_weights_is_refused_before_sharding():
         apply_tensor_parallel(net, tp_mesh=_FakeMesh(), plan={"embed": "rowwise_rep", "head": "colwise"})
     assert net.head.weight is net.embed.weight and not hasattr(net.head.weight, "placements")
     # one module object under two names is not a tie: sharding it moves its parameters for both names
-    from lightning_v17.engine.tensor_parallel import _check_shared_parameters
+    from lightning_v17.engine.tp.apply import _check_shared_parameters
 
     shared = _Net()
     shared.alias = shared.head

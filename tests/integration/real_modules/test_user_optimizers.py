@@ -4,7 +4,7 @@ ranks, in one spawned pair of ranks.
 The user writes ``torch.optim.Adafactor(self.parameters())`` (factored row/column statistics: needs whole
 parameters), ``bitsandbytes.optim.Lion`` (32-bit: elementwise, but a C kernel that cannot take DTensors) or
 ``bitsandbytes.optim.Adam8bit`` (block-quantized state: needs whole parameters) in ``configure_optimizers``. At
-ZeRO-3 the first and the last step each parameter whole on an owner rank (``engine/owner_step.py``), Lion steps its
+ZeRO-3 the first and the last step each parameter whole on an owner rank (``engine/zero/owner_step.py``), Lion steps its
 local shards; ZeRO-2 gives whole parameters (``optimizer_partition="params"``), as before. Checked:
 
 * per-step losses within 1e-4 relative and final parameters within 1e-5 of ddp (``_common.assert_matches``; all
@@ -207,7 +207,7 @@ def test_plan_step_decides_per_class() -> None:
     import bitsandbytes as bnb
 
     from lightning_v17.config import V17ConfigError
-    from lightning_v17.engine.owner_step import StepPlan, plan_step
+    from lightning_v17.engine.zero.owner_step import StepPlan, plan_step
     from lightning_v17.optim import Adafactor, Lion8bit
 
     class DeclaredElementwise(torch.optim.SGD):  # a user's class that says what it is

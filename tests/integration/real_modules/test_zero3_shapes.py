@@ -6,7 +6,7 @@
   hooks run nested in the step hook's, then uses the parameter: the nested call must not free the root, also with
   ``reshard_after_forward=True``. Nothing of it is a repeated block, so the LightningModule
   itself is the FSDP2 root and its step hooks run as that root's forward
-  (:func:`lightning_v17.engine.fsdp.run_as_forward`); Lightning never calls its ``forward``.
+  (:func:`lightning_v17.engine.zero.fsdp.run_as_forward`); Lightning never calls its ``forward``.
   With ``wrap_classes=["Encoder", "Decoder"]``: each child its own unit, the root holding the LightningModule's own
   parameter, and (on gloo) the CPU prefetch chain between the units.
 * ``plain``: the same two children without a parameter of the LightningModule, with and without ``wrap_classes``
@@ -16,7 +16,7 @@
   the generator's step, then the discriminator's on the generator's output again), plus an ``nn.Parameter`` of
   the LightningModule that the generator's optimizer steps and both phases use: each child is a unit gathered at
   each call, and that parameter is gathered again after each step inside the hook
-  (:func:`lightning_v17.engine.fsdp.optimizer_steps_inside`).
+  (:func:`lightning_v17.engine.zero.fsdp.optimizer_steps_inside`).
   Also with ``wrap_classes`` naming both networks.
 
 Each V17 run is compared with the ``"ddp"`` run of its module (:func:`~tests.integration.real_modules._common.
@@ -211,7 +211,7 @@ def _inspect(module: Any, trainer: Any) -> dict[str, Any]:
     """What the fit left: the validation losses, and for V17 how the optimizers hold each parameter (this rank's
     share of its elements, and its dim-0 size; read from the optimizers, which step the sharded parameters: after
     a validation FSDP2 leaves its root gathered, as it does after any forward) and which module is the FSDP2 root."""
-    from lightning_v17.engine.fsdp import fsdp_root
+    from lightning_v17.engine.zero.fsdp import fsdp_root
 
     shares = []
     for opt in trainer.optimizers:

@@ -1,0 +1,26 @@
+"""The configuration error and the one string-to-enum parser, shared by :mod:`lightning_v17.config` and
+:mod:`lightning_v17.config.fp8` (both re-export them; torch-free)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+__all__ = ["V17ConfigError", "parse_enum"]
+
+
+class V17ConfigError(ValueError):
+    """A user-facing configuration error. The message names the option and the fix."""
+
+
+def parse_enum(enum_cls: type[StrEnum], value: Any, *, option: str) -> StrEnum:
+    """Parse ``value`` into ``enum_cls`` or raise an error that names ``option`` and lists the valid values."""
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().replace("-", "_")
+        for member in enum_cls:
+            if key in (member.value.replace("-", "_"), member.name.lower()):
+                return member
+    valid = ", ".join(repr(m.value) for m in enum_cls)
+    raise V17ConfigError(f"{option}={value!r} is not supported; choose one of {valid}")

@@ -1,0 +1,198 @@
+"""Every composition rule, once: which combinations of options cannot work, the options each names, and the fix.
+
+Torch-free vocabulary. The strategy raises from this table at construction (:func:`check`), the engine's
+``parallelize`` checks it again for callers that build policies themselves, and the planner warns from it
+(:func:`violations`). A rule is a row ``(name, options, violated, message, fix, example)``: ``example`` is a set of
+``V17Strategy`` arguments that violates it (a policy written as the dict of its fields, the YAML spelling), which
+``tests/unit/test_rules.py`` constructs for every row. ``options`` name the concepts (``offload_params`` is
+``OffloadPolicy.params``, ``tp_plan`` is ``TPPolicy.plan``, ``pp_split_points`` is ``PipelinePolicy.split_points``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_v17.config.errors import V17ConfigError
+
+__all__ = ["RULES", "Layout", "Rule", "check", "violations"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the rules look at: the parsed policy and the fixed axis sizes.
+
+    Attributes:
+        policy: the :class:`~lightning_v17.config.TrainingPolicy`.
+        pp: pipeline stages.
+        tp: tensor-parallel size.
+    """
+
+    policy: Any
+    pp: int = 1
+    tp: int = 1
+
+    @property
+    def stage(self) -> int:
+        return self.policy.zero.stage
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One composition rule.
+
+    Attributes:
+        name: a short identifier.
+        options: the options the rule names (what a user changes to satisfy it).
+        violated: ``violated(layout) -> bool``.
+        message: ``message(layout) -> str``: what is wrong, naming the values.
+        fix: what to change.
+        example: ``V17Strategy`` keyword arguments that violate the rule.
+    """
+
+    name: str
+    options: tuple[str, ...]
+    violated: Callable[[Layout], bool]
+    message: Callable[[Layout], str]
+    fix: str
+    example: Mapping[str, Any] = field(default_factory=dict)
+
+    def text(self, layout: Layout) -> str:
+        return f"{self.message(layout)}; {self.fix}"
+
+
+def _tier(layout: Layout, which: str) -> str:
+    return str(getattr(layout.policy.offload, which).value)
+
+
+def _fp8(layout: Layout) -> Any:
+    return layout.policy.fp8
+
+
+#: option -> (the TrainingPolicy field holding its policy, the field inside that policy)
+_AXIS_OPTIONS: dict[str, tuple[str, str]] = {
+    "sequence_parallel": ("tensor_parallel", "sequence_parallel"), "tp_plan": ("tensor_parallel", "plan"),
+    "vocab_parallel": ("tensor_parallel", "vocab_parallel"), "loss_parallel": ("tensor_parallel", "loss_parallel"),
+    "pp_split_points": ("pipeline", "split_points"),
+}  # fmt: skip
+
+
+def _needs_axis(option: str, axis: str) -> Rule:
+    """``option`` shapes the ``axis`` axis and means nothing when it has size 1."""
+
+    policy, name = _AXIS_OPTIONS[option]
+
+    def violated(lay: Layout) -> bool:
+        return bool(getattr(getattr(lay.policy, policy), name)) and getattr(lay, axis) == 1
+
+    value: Any = {"plan": {"x": "colwise"}, "split_points": ["x"]}.get(name, True)
+    return Rule(
+        name=f"{option}_needs_{axis}",
+        options=(option, axis),
+        violated=violated,
+        message=lambda lay: f"{option} applies only with {axis} > 1 (got {axis}=1)",
+        fix=f"set {axis} or drop it",
+        example={policy: {name: value}},
+    )
+
+
+#: Every rule, in the order they are checked (the first one violated is raised).
+RULES: tuple[Rule, ...] = (
+    Rule(
+        # Narayanan 2021 §3.3 / Megatron: with parameters (ZeRO-3) or gradients (ZeRO-2) sharded, every micro-batch
+        # of every stage issues its own all-gather / reduce-scatter, interleaved with the pipeline's P2P traffic; the
+        # collectives of different stages entangle and the volume grows with the micro-batches. Only ZeRO-1 (one
+        # reduction per step) composes cleanly, as in Megatron and DeepSpeed's PipelineEngine.
+        name="pp_needs_stage_le_1",
+        options=("pp", "zero_stage"),
+        violated=lambda lay: lay.pp > 1 and lay.stage >= 2,
+        message=lambda lay: (
+            f"pp={lay.pp} with zero_stage={lay.stage} is not supported: with pipeline parallelism the "
+            "per-micro-batch all-gathers/reduce-scatters of ZeRO-2/3 entangle across stages, and only ZeRO-1 (one "
+            "reduction per step) composes with the schedule"
+        ),
+        fix="set zero_stage=1 (or 0) with pp>1, or pp=1 to use ZeRO-2/3",
+        example={"pp": 2, "zero_stage": 2},
+    ),
+    Rule(
+        name="offload_params_needs_stage_3",
+        options=("offload_params", "zero_stage"),
+        violated=lambda lay: _tier(lay, "params") != "none" and lay.stage != 3,
+        message=lambda lay: (
+            f"offload_params={_tier(lay, 'params')!r} offloads ZeRO-3 parameter shards and needs zero_stage=3 "
+            f"(got {lay.stage})"
+        ),
+        fix="set zero_stage=3, or offload only the optimizer with offload=OffloadPolicy(optimizer=...)",
+        example={"zero_stage": 2, "offload": {"params": "cpu"}},
+    ),
+    Rule(
+        name="nvme_params_without_fp8",
+        options=("offload_params", "fp8"),
+        violated=lambda lay: _tier(lay, "params") == "nvme" and _fp8(lay) is not None,
+        message=lambda lay: (
+            "offload_params='nvme' with fp8 is not implemented yet (the float8 scales read the weights after each "
+            "step)"
+        ),
+        fix="use offload_params='cpu' or 'none' with fp8, or drop fp8",
+        example={"zero_stage": 3, "offload": {"params": "nvme", "nvme_path": "."}, "fp8": "tensorwise"},
+    ),
+    Rule(
+        name="fp8_all_gather_needs_stage_3",
+        options=("fp8_all_gather", "zero_stage"),
+        violated=lambda lay: _fp8(lay) is not None and _fp8(lay).all_gather is True and lay.stage != 3,
+        message=lambda lay: (
+            f"fp8_all_gather=True applies to zero_stage=3, which all-gathers the weights (got zero_stage="
+            f"{lay.stage}, where every rank keeps whole weights)"
+        ),
+        fix="set zero_stage=3 or drop fp8_all_gather",
+        example={"zero_stage": 2, "fp8": {"recipe": "tensorwise", "all_gather": True}},
+    ),
+    Rule(
+        # rowwise scales one row of each GEMM operand, and torchao quantizes a weight along a different dim for each
+        # GEMM: a tp shard holds whole rows of one and parts of the other, so it has no local cast equal to one
+        # process's; torchao's float8 TP styles cast tensorwise only
+        name="fp8_rowwise_without_tp",
+        options=("fp8", "tp"),
+        violated=lambda lay: _fp8(lay) is not None and lay.tp > 1 and str(_fp8(lay).recipe.value) == "rowwise",
+        message=lambda lay: (
+            f"fp8='rowwise' with tp={lay.tp} is not supported: torchao's float8 tensor-parallel styles "
+            "(Float8ColwiseParallel/Float8RowwiseParallel) cast with tensorwise scales, and a tp-sharded weight "
+            "cannot be scaled per row for both GEMMs"
+        ),
+        fix="use fp8='tensorwise' or fp8='delayed' with tp > 1, or tp=1",
+        example={"tp": 2, "zero_stage": 1, "fp8": "rowwise"},
+    ),
+    _needs_axis("sequence_parallel", "tp"),
+    _needs_axis("tp_plan", "tp"),
+    _needs_axis("vocab_parallel", "tp"),
+    _needs_axis("loss_parallel", "tp"),
+    _needs_axis("pp_split_points", "pp"),
+    Rule(
+        name="loss_parallel_without_pp",
+        options=("loss_parallel", "pp"),
+        violated=lambda lay: lay.policy.tensor_parallel.loss_parallel and lay.pp > 1,
+        message=lambda lay: (
+            f"loss_parallel=True with pp={lay.pp} is not supported: the pipeline schedule computes the loss on the "
+            "last stage outside the strategy's loss_parallel() context"
+        ),
+        fix="use loss_parallel with pp=1, or drop it",
+        example={"tp": 2, "pp": 2, "zero_stage": 1, "tensor_parallel": {"loss_parallel": True}},
+    ),
+)
+
+
+def violations(layout: Layout) -> list[tuple[Rule, str]]:
+    """Every rule ``layout`` violates, with its full message (the planner warns with these)."""
+    return [(rule, rule.text(layout)) for rule in RULES if rule.violated(layout)]
+
+
+def check(policy: Any, *, pp: int = 1, tp: int = 1) -> None:
+    """Raise for the first rule the policy and axis sizes violate.
+
+    Raises:
+        V17ConfigError: the rule's message and fix, naming the options.
+    """
+    found = violations(Layout(policy, pp=pp, tp=tp))
+    if found:
+        raise V17ConfigError(found[0][1])

@@ -1,0 +1,34 @@
+"""Pipeline parallelism (Narayanan 2021, Qi 2023): cutting a model into stages (``split``), the schedule runtime
+(``runtime``) and per-action timing (``timing``)."""
+
+from lightning_v17.engine.pipeline.runtime import (
+    BubbleTimer,
+    PeerFailureWatch,
+    PipelineLayout,
+    PipelineLoss,
+    PipelineRuntime,
+    StageModule,
+    balanced_split_points,
+    build_schedule,
+    check_pipeline_composition,
+    pipeline_eval,
+    pipeline_step,
+    replay_actions,
+    split_model,
+)
+
+__all__ = [
+    "BubbleTimer",
+    "PeerFailureWatch",
+    "PipelineLayout",
+    "PipelineLoss",
+    "PipelineRuntime",
+    "StageModule",
+    "balanced_split_points",
+    "build_schedule",
+    "check_pipeline_composition",
+    "pipeline_eval",
+    "pipeline_step",
+    "replay_actions",
+    "split_model",
+]

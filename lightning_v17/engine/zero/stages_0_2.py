@@ -1,0 +1,627 @@
+"""ZeRO stages 0-3 as keyword-only, Lightning-free functions (Rajbhandari 2020, "ZeRO", §5; seed §3).
+
+* Stage 0 (DDP semantics): parameters, gradients and optimizer state replicated; gradients are all-reduced over the
+  data-parallel ranks in buckets as backward produces them.
+* Stage 1: as stage 0, but the optimizer is rebuilt over the local dim-0 shard of every parameter (``torch.chunk``
+  semantics over the ``dp_shard`` axis, i.e. DTensor ``Shard(0)``, FSDP2's layout). Full gradients are all-reduced,
+  each rank steps its shard, then the shards are all-gathered back into the full parameters. The gradients are views
+  of the reduced bucket (DDP's ``gradient_as_bucket_view``); the packing copies are in :mod:`.zero_comm`.
+* Stage 2: gradients are reduce-scattered into per-rank shard gradients as backward produces them (post-accumulate-
+  grad hooks, bucketed); the full gradient of a bucket is freed as soon as its reduce-scatter is issued.
+  What stays resident between steps on each rank: the full parameters (replicated), the shard gradients (1/dp_shard
+  of all gradients, plus at most one padding row per parameter), and the optimizer state over the shards. During
+  backward, the full gradients of the buckets still in flight (at most the whole model when communication is slower
+  than backward). During gradient accumulation (``require_grad_sync=False``) the full gradients accumulate locally and
+  stay resident until the last micro-step, which communicates once.
+* Frozen parameters (``requires_grad=False`` at setup: a LoRA model's base, a frozen backbone) are outside the
+  partition: no gradient is reduced for them, no rows are sharded, and an optimizer that lists them (peft's examples
+  pass ``self.parameters()``) has them dropped from its param groups, since nothing could step them. The optimizer
+  state is that of the trainable parameters only, sharded (DeepSpeed's ZeRO-1/2 optimizer also keeps only the
+  trainable parameters of each group).
+* Several optimizers (a GAN's generator and discriminator, manual optimization): each optimizer's step is followed by
+  the refresh of *its* parameters only (:meth:`ZeroEngine.gather_params` with that optimizer); the other network's
+  parameters are not written, so a graph built through them before this step still back-propagates. What the
+  refresh writes in place are parameters this very step has just updated (their rows here, or whole on their owner),
+  as DDP's step updates each of them in place on every rank: a graph that still holds one fails exactly where it
+  would under DDP. Each optimizer's ``zero_grad`` clears its own parameters' gradients only, and
+  ``toggle_optimizer`` reaches the parameters through what the optimizers hold
+  (:class:`~lightning_v17.engine.zero.layout.ShardParameter`).
+* Stage 3: FSDP2 ``fully_shard`` per unit (the repeated blocks) plus the residual top-level modules
+  (:mod:`lightning_v17.engine.zero.fsdp`). State dicts for DCP, every stage: :mod:`lightning_v17.engine.zero.state_dict`.
+
+Because stages 1, 2 and 3 all use the same dim-0 ``torch.chunk`` partition and the same fully-qualified names (FQNs),
+their optimizer state dicts are interchangeable: stages 1/2 report their shards as ``DTensor``s with ``Shard(0)``
+placements, exactly what FSDP2 reports, so torch.distributed.checkpoint (DCP) can save and reshard all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_v17.config import V17ConfigError
+from lightning_v17.engine.collectives import reduce_scatter
+from lightning_v17.engine.zero.comm import gather_bucket, pack_grad, pack_rows
+from lightning_v17.engine.zero.fsdp import apply_fsdp
+from lightning_v17.engine.zero.layout import (
+    PARTITIONS,
+    ShardParameter,
+    _Bucket,
+    _local,
+    _Param,
+    _rows,
+    chunk_rows,
+    is_elementwise_optimizer,
+    shard_view,
+)
+
+__all__ = ["ZeroEngine", "apply_zero", "broadcast_module", "chunk_rows", "is_elementwise_optimizer"]
+
+
+
+
+class ZeroEngine:
+    """Gradient reduction and optimizer sharding for ZeRO stages 0, 1 and 2 over replicated full parameters.
+
+    Two ways to partition the optimizer over the dp_shard ranks (``partition``):
+
+    * ``"rows"``: every parameter is split along dim 0 and each rank steps its rows (the FSDP2/DTensor ``Shard(0)``
+      layout; memory balanced to one row). Exact for elementwise optimizers only.
+    * ``"params"``: whole parameters are assigned to ranks (largest first, to the least-loaded rank, as torch's
+      ``ZeroRedundancyOptimizer`` does) and each rank steps the parameters it owns, then broadcasts them. Exact for
+      every optimizer whose update is computed per parameter (Adafactor's row/column factors, Muon's matrix
+      iterations, bitsandbytes' block-quantized states, ...), at the cost of a coarser memory balance. Optimizers
+      that couple all parameters (``torch.optim.LBFGS``) cannot be partitioned and are refused. Stage 2 then
+      all-reduces gradients and each rank keeps only its own parameters' gradients (the gradient memory after the
+      step is partitioned; during backward a full bucket is alive).
+    * ``"auto"`` (default): "rows" when every optimizer is an elementwise ``torch.optim`` class
+      (:func:`is_elementwise_optimizer`), else "params".
+
+    Args:
+        module: the model; its trainable parameters are reduced (shared parameters once, under their first FQN);
+            the frozen ones (``requires_grad=False`` now) are left out (see the module docstring).
+        stage: 0, 1 or 2.
+        shard_group: process group of the ``dp_shard`` axis (optimizer state and, at stage 2, gradients are
+            partitioned over it).
+        replicate_group: process group of the ``dp_replicate`` axis (HSDP outer axis) or None when its size is 1.
+        shard_mesh: the DeviceMesh used to describe shards as DTensors in state dicts: 1-D ``dp_shard``, or 2-D
+            (``dp_replicate``, ``dp_shard``) for HSDP.
+        bucket_mb: bucket size in MiB (DeepSpeed's ``reduce_bucket_size``).
+        reduce_dtype: dtype of the gradient reduction (None: the gradient's own dtype).
+        partition: "auto", "rows" or "params" (see above).
+        overlap: start each bucket's reduction (async, on gloo's threads or NCCL's stream) from the gradient hooks
+            as soon as all of its gradients are ready, in bucket order, so it runs while backward computes the
+            earlier layers; the end of backward waits for what is still in flight. False: every bucket is
+            reduced at the end of backward (the A/B baseline; bitwise the same gradients).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        shard_group: Any,
+        replicate_group: Any = None,
+        shard_mesh: Any = None,
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+        partition: str = "auto",
+        overlap: bool = True,
+    ) -> None:
+        if partition not in PARTITIONS:
+            raise V17ConfigError(f"optimizer_partition={partition!r}; choose one of {list(PARTITIONS)}")
+        if stage not in (0, 1, 2):
+            raise V17ConfigError(f"ZeroEngine handles zero_stage 0, 1 and 2, got {stage}; stage 3 uses apply_fsdp")
+        self.stage = stage
+        self.partition = partition
+        #: "params" once :meth:`choose_partition` picked whole-parameter ownership
+        self.owner_mode = False
+        self._partition_chosen = False
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.shard_mesh = shard_mesh
+        self.reduce_dtype = reduce_dtype
+        self.world = dist.get_world_size(shard_group)
+        self.rank = dist.get_rank(shard_group)
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.dp = self.world * self.replicas
+        #: False during accumulation micro-steps: gradients accumulate locally, nothing is communicated.
+        self.require_grad_sync = True
+        self.overlap = overlap
+        self._callback_queued = False
+        self._next_launch = 0
+
+        seen: set[int] = set()
+        self.params: list[_Param] = []
+        for fqn, p in module.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            r = _rows(p.detach())
+            start, stop = chunk_rows(r.shape[0], self.world, self.rank)
+            padded = -(-r.shape[0] // self.world) if r.shape[0] else 0
+            self.params.append(_Param(fqn, p, r.shape[0], r.shape[1], start, stop, padded))
+        self.by_param = {id(e.param): e for e in self.params}
+        self.by_shard: dict[int, _Param] = {}
+        #: id(optimizer) -> (the parameters it holds, their gather buckets): what its step refreshes
+        self._stepped_by: dict[int, tuple[list[_Param], list[_Bucket]]] = {}
+
+        # Buckets in reverse registration order: backward produces the last layers' gradients first (as DDP does).
+        bucket_bytes = bucket_mb * 2**20
+        self.buckets: list[_Bucket] = []
+        cur: list[_Param] = []
+        cur_bytes = 0
+        for e in reversed(self.params):
+            cur.append(e)
+            cur_bytes += e.param.numel() * e.param.element_size()
+            if cur_bytes >= bucket_bytes:
+                self.buckets.append(_Bucket(cur, sum(x.seg_numel for x in cur)))
+                cur, cur_bytes = [], 0
+        if cur:
+            self.buckets.append(_Bucket(cur, sum(x.seg_numel for x in cur)))
+        self.bucket_of = {id(e.param): i for i, b in enumerate(self.buckets) for e in b.params}
+        self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in self.params]
+
+    # ------------------------------------------------------------------ optimizer sharding (stages 1/2)
+    def choose_partition(self, optimizers: Iterable[torch.optim.Optimizer]) -> str:
+        """Fix "rows" or "params" for every optimizer of the module (call once, before :meth:`shard_optimizer`)."""
+        optimizers = list(optimizers)
+        if self.stage > 0:
+            for o in optimizers:
+                if isinstance(o, torch.optim.LBFGS):
+                    raise V17ConfigError(
+                        f"torch.optim.LBFGS couples all parameters in one line search, so zero_stage={self.stage} "
+                        "cannot partition it; use zero_stage=0, or zero_stage=3 (FSDP2 keeps every rank's "
+                        "optimizer over the whole sharded model)"
+                    )
+        mode = self.partition
+        if mode == "auto":
+            mode = "rows" if all(is_elementwise_optimizer(o) for o in optimizers) else "params"
+        self.owner_mode = self.stage > 0 and mode == "params"
+        self._partition_chosen = True
+        if self.owner_mode:
+            loads = [0] * self.world
+            order = sorted(range(len(self.params)), key=lambda i: (-_local(self.params[i].param).numel(), i))
+            for i in order:  # largest first, to the least-loaded rank (lowest rank on ties): the same on every rank
+                r = min(range(self.world), key=lambda k: (loads[k], k))
+                self.params[i].owner = r
+                loads[r] += _local(self.params[i].param).numel()
+        return mode
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Rebuild ``optimizer`` in place over the local dim-0 shards (stage >= 1); returns the same object.
+
+        The optimizer object, its class, its param groups and hyperparameters are kept (LR schedulers still point
+        at it); only each group's ``params`` list is swapped for leaf views of this rank's rows of every parameter
+        (:class:`~lightning_v17.engine.zero.layout.ShardParameter`; frozen parameters dropped), so
+        ``optimizer.step()`` writes the full parameter's local rows in place and :meth:`gather_params` completes
+        them. Works for any ``torch.optim.Optimizer`` whose update is elementwise per parameter (Adam/AdamW/SGD/
+        Lion/...); optimizers that need the whole matrix (Shampoo, Adafactor's factored rows/columns) are not
+        partitioned exactly and must use stage 0 or 3.
+        """
+        if self.stage == 0 or getattr(optimizer, "_v17_zero", None) is self:
+            return optimizer
+        if not self._partition_chosen:
+            self.choose_partition([optimizer])
+        if optimizer.state:
+            raise RuntimeError("shard_optimizer must run before the first optimizer step (the optimizer has state)")
+        entries: list[_Param] = []
+        for group in optimizer.param_groups:
+            new = []
+            for p in group["params"]:
+                e = self.by_param.get(id(p))
+                if e is None:
+                    if not p.requires_grad:
+                        continue  # frozen: outside the partition, and no gradient will ever step it (module docstring)
+                    raise V17ConfigError(
+                        "the optimizer holds a trainable parameter that is not a parameter of the LightningModule; "
+                        "build optimizers from self.parameters() (or a subset of them) in configure_optimizers"
+                    )
+                entries.append(e)
+                if self.owner_mode and e.owner == self.rank:
+                    e.shard = e.param  # the optimizer steps the whole parameter; gather_params broadcasts it
+                elif e.shard is None:
+                    # rows: a view of this rank's rows; params: an empty stand-in on the ranks that do not own it,
+                    # so every rank's param_groups list the same parameters (Lightning's toggle_optimizer)
+                    e.shard = ShardParameter(shard_view(e, empty=self.owner_mode), e.param)
+                self.by_shard[id(e.shard)] = e
+                new.append(e.shard)
+            group["params"] = new
+        optimizer._v17_zero = self  # type: ignore[attr-defined]
+        held = {id(e.param) for e in entries}
+        if held == set(self.by_param):
+            buckets = self.buckets  # the common case, one optimizer over the whole model: the reduction's buckets
+        else:  # the same buckets restricted to this optimizer's parameters: the same order on every rank
+            buckets = []
+            for b in self.buckets:
+                mine = [e for e in b.params if id(e.param) in held]
+                if mine:
+                    buckets.append(_Bucket(mine, sum(e.seg_numel for e in mine)))
+        self._stepped_by[id(optimizer)] = (entries, buckets)
+        # The optimizer now only sees the shards, so its zero_grad would leave the full parameters' gradients (stage
+        # 1 keeps them; stage 2 during accumulation) to leak into the next step. Clear them too, for this optimizer's
+        # parameters only: another optimizer's gradients are not its to clear (a GAN accumulates them separately).
+        inner_zero_grad = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            inner_zero_grad(set_to_none=set_to_none)
+            for e in entries:
+                if e.param.grad is not None:
+                    if set_to_none:
+                        e.param.grad = None
+                    else:
+                        e.param.grad.zero_()
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        return optimizer
+
+    # ------------------------------------------------------------------ gradient reduction
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.require_grad_sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
+        if not self.overlap:
+            return
+        i = self.bucket_of[id(p)]
+        self.buckets[i].ready.add(id(p))
+        # Launch in bucket order only, so every rank issues the same collectives in the same order.
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if len(b.ready) < len(b.params):
+                break
+            self._launch(b)
+            self._next_launch += 1
+
+    def _grad(self, e: _Param) -> torch.Tensor:
+        g = e.param.grad
+        if g is None:  # unused on this rank: contributes zeros (every rank must join every collective)
+            return torch.zeros_like(_local(e.param))
+        return _local(g)
+
+    def _launch(self, b: _Bucket) -> None:
+        # The mean over dp ranks is folded into the copy that packs each gradient into the bucket (one pass instead of
+        # a copy then a division of the whole bucket; the same arithmetic, so the same bits): see zero_comm.
+        dtype = self.reduce_dtype or self._grad(b.params[0]).dtype
+        device = _local(b.params[0].param).device
+        if self.stage in (0, 1) or self.owner_mode:
+            b.buf = torch.empty(sum(_local(e.param).numel() for e in b.params), dtype=dtype, device=device)
+            off = 0
+            for e in b.params:
+                g = self._grad(e)
+                pack_grad(b.buf[off : off + g.numel()].view_as(g), g, self.dp)
+                off += g.numel()
+            b.work = dist.all_reduce(b.buf, group=self._full_group(), async_op=True)
+            return
+        # stage 2: lay every parameter's rows out as [world, padded_rows*row_numel] so rank r's segment holds its rows
+        # (written in place, no padded copy: only the padding rows are zeroed).
+        buf = torch.empty(self.world, b.seg_numel, dtype=dtype, device=device)
+        off = 0
+        for e in b.params:
+            if e.rows:
+                dst = buf[:, off : off + e.seg_numel].unflatten(1, (e.padded_rows, e.row_numel))
+                pack_rows(dst, self._grad(e), e, self.world, self.dp)
+            off += e.seg_numel
+            e.param.grad = None  # the full gradient is freed now; only the reduced shard is kept
+        b.buf = buf.view(-1)
+        b.out = torch.empty(b.seg_numel, dtype=dtype, device=buf.device)
+        # gloo: all_to_all + local sum (engine/collectives.py); other backends: reduce_scatter_tensor
+        b.work = reduce_scatter(b.out, b.buf, group=self.shard_group, async_op=True)
+
+    def _full_group(self) -> Any:
+        return self._dp_group if hasattr(self, "_dp_group") else self.shard_group
+
+    def set_dp_group(self, group: Any) -> None:
+        """The flattened (dp_replicate x dp_shard) group for stage 0/1 all-reduces (HSDP)."""
+        self._dp_group = group
+
+    def finish_grad_sync(self) -> None:
+        """Run at the end of backward (autograd callback): launch what is left, wait, and install the gradients."""
+        self._callback_queued = False
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        self._next_launch = 0
+        # Views of the bucket keep all of it alive: not when stage 2 ("params") drops the gradients it does not own, nor
+        # for tensor-parallel (DTensor) gradients, which must stay DTensors.
+        keep_grads = (self.owner_mode and self.stage == 2) or any(_is_dtensor(e.param) for e in self.params)
+        for b in self.buckets:
+            b.work.wait()
+            if self.stage in (0, 1) or self.owner_mode:
+                off = 0
+                for e in b.params:
+                    n = _local(e.param).numel()
+                    flat = b.buf[off : off + n].view_as(_local(e.param))
+                    if e.param.grad is not None and (keep_grads or flat.dtype != e.param.dtype):
+                        _local(e.param.grad).copy_(flat)
+                    else:  # the reduced bucket becomes the gradient (a view: no copy, DDP's gradient_as_bucket_view)
+                        g = flat.to(e.param.dtype)
+                        e.param.grad = g.clone() if keep_grads and g is flat else g
+                    off += n
+                    if self.owner_mode:
+                        if self.stage == 2 and e.owner != self.rank:
+                            e.param.grad = None  # stage 2: keep only the gradients this rank's optimizer steps
+                    elif self.stage == 1 and e.shard is not None:
+                        local = _rows(e.param.grad)[e.start : e.stop]
+                        e.shard.grad = local.view(e.shard.shape)  # a view: no extra memory
+            else:
+                if self.replicate_group is not None:
+                    dist.all_reduce(b.out, group=self.replicate_group)
+                off = 0
+                for e in b.params:
+                    local = b.out[off : off + (e.stop - e.start) * e.row_numel]
+                    off += e.seg_numel
+                    if e.shard is None:
+                        continue
+                    local = local.view(e.shard.shape).to(e.shard.dtype)
+                    if e.shard.grad is None:
+                        e.shard.grad = local if e.padded_rows == e.stop - e.start else local.clone()
+                    else:
+                        e.shard.grad.add_(local)
+            b.buf = b.out = b.work = None
+            b.ready.clear()
+
+    # ------------------------------------------------------------------ after the step
+    @torch.no_grad()
+    def gather_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """All-gather every rank's updated rows into the full parameters (stages 1/2), bucket by bucket: those of
+        ``optimizer`` (the one that just stepped), or of every parameter when None or not sharded here."""
+        if self.stage == 0:
+            return
+        entries, buckets = self._stepped_by.get(id(optimizer), (self.params, self.buckets))
+        if self.owner_mode:
+            self._broadcast_owned(entries)
+            return
+        # Bucket k+1 is packed while bucket k is on the wire; at most two are in flight (two receive buffers).
+        pending: list[Any] = []
+        for b in buckets:
+            pending.append(gather_bucket(b, world=self.world, rank=self.rank, group=self.shard_group))
+            if len(pending) > 1:
+                pending.pop(0).wait()
+        for p in pending:
+            p.wait()
+
+    @torch.no_grad()
+    def _broadcast_owned(self, entries: list[_Param]) -> None:
+        """partition="params": each rank broadcasts the parameters of ``entries`` it stepped (one flat broadcast per
+        owner)."""
+        if self.world == 1:
+            return
+        for r in range(self.world):
+            owned = [_local(e.param.detach()) for e in entries if e.owner == r]
+            if not owned:
+                continue
+            flat = torch.cat([t.reshape(-1) for t in owned]) if r == self.rank else torch.empty(
+                sum(t.numel() for t in owned), dtype=owned[0].dtype, device=owned[0].device
+            )
+            dist.broadcast(flat, src=dist.get_global_rank(self.shard_group, r), group=self.shard_group)
+            if r != self.rank:
+                off = 0
+                for t in owned:
+                    t.copy_(flat[off : off + t.numel()].view_as(t))
+                    off += t.numel()
+
+    # ------------------------------------------------------------------ state dicts (FQN keys, DTensor shards)
+    @torch.no_grad()
+    def _gather_piece(self, e: _Param, t: torch.Tensor) -> torch.Tensor:
+        """All-gather the dp_shard rows of ``t`` (this rank's shard of ``e``) into the whole local piece of ``e``'s
+        parameter (the tensor-parallel shard when the parameter is a DTensor); collective over dp_shard."""
+        piece_shape = _local(e.param).shape
+        if self.world == 1:
+            return t.reshape(piece_shape)
+        seg = torch.zeros(e.padded_rows, e.row_numel, dtype=t.dtype, device=t.device)
+        seg[: e.stop - e.start].copy_(t.reshape(e.stop - e.start, e.row_numel))
+        out = torch.empty(self.world * e.padded_rows, e.row_numel, dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, seg, group=self.shard_group)
+        return out[: e.rows].reshape(piece_shape)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """FQN-keyed optimizer state with every per-parameter tensor a ``DTensor`` describing its global layout.
+
+        * Plain parameters: this rank's rows, ``Shard(0)`` over dp_shard (``Replicate`` over dp_replicate) -- the
+          layout ``get_optimizer_state_dict`` reports for an FSDP2 model (stage 3), so DCP reshards between stages
+          and world sizes.
+        * Tensor-parallel (DTensor) parameters: the rows are a dim-0 chunk of the *TP-local* piece, which is not a
+          plain placement on the (dp_shard, tp) mesh when TP also shards dim 0 (FSDP2 needs ``_StridedShard`` for
+          that). Here the dp_shard rows are all-gathered back into the TP-local piece (a collective, at save time
+          only) and described exactly like the parameter itself (its tp mesh and placements, replicated over dp);
+          DCP then saves each TP piece once and reshards it to any tp / dp / stage.
+        """
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        placements = [Shard(0)] if self.replicas == 1 else [Replicate(), Shard(0)]
+        sd = optimizer.state_dict()
+        idx_to_fqn: dict[int, str] = {}
+        i = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                idx_to_fqn[i] = self.by_shard[id(p)].fqn
+                i += 1
+        by_fqn = {e.fqn: e for e in self.params}
+        state: dict[str, Any] = {}
+        for idx, st in sd["state"].items():
+            fqn = idx_to_fqn[idx]
+            e = by_fqn[fqn]
+            if self.owner_mode:
+                # whole parameters, saved by their owner only (plain tensors, or the TP DTensor of a TP parameter);
+                # DCP reads them back into any layout (rows, FSDP2 shards, another owner). The other ranks' empty
+                # stand-ins hold no state but what _init_optim_state's zero-lr step gave them: not saved.
+                if e.owner == self.rank:
+                    state[fqn] = dict(st)
+                continue
+            tp_param = isinstance(e.param, DTensor)
+            out = {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape == e.shard.shape:
+                    if tp_param:
+                        v = DTensor.from_local(
+                            self._gather_piece(e, v),
+                            e.param.device_mesh,
+                            e.param.placements,
+                            run_check=False,
+                            shape=e.param.shape,
+                            stride=e.param.stride(),
+                        )
+                    else:
+                        v = DTensor.from_local(
+                            v, self.shard_mesh, placements, run_check=False, shape=e.param.shape,
+                            stride=e.param.stride(),
+                        )  # fmt: skip
+                out[k] = v
+            state[fqn] = out
+        groups = [{**g, "params": [idx_to_fqn[j] for j in g["params"]]} for g in sd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def init_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give an optimizer that has not stepped yet its state tensors (torch's ``_init_optim_state``: one step with
+        zero gradients at lr 0), so that DCP has tensors to load into. With ``partition="params"`` the empty
+        stand-ins of the parameters other ranks own are out of the groups meanwhile: nothing steps them, and an
+        optimizer that divides by a parameter's size (``torch.optim.Adafactor``) cannot step an empty one."""
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        groups = [g["params"] for g in optimizer.param_groups]
+        try:
+            if self.owner_mode:
+                for g in optimizer.param_groups:
+                    g["params"] = [p for p in g["params"] if self.by_shard[id(p)].owner == self.rank]
+            _init_optim_state(optimizer)
+        finally:
+            for g, params in zip(optimizer.param_groups, groups):
+                g["params"] = params
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+        """Inverse of :meth:`optimizer_state_dict` (DTensors, or full plain tensors from a stage-0 checkpoint).
+
+        The hyperparameters of each param group come from ``osd`` (by group index); which parameters the groups
+        hold comes from ``optimizer`` itself: a checkpoint written at another pipeline split lists other FQNs there
+        (DCP keeps one rank's copy of such non-tensor entries).
+        """
+        from torch.distributed.tensor import DTensor
+
+        fqn_to_idx: dict[str, int] = {}
+        own_groups: list[list[int]] = []
+        i = 0
+        for group in optimizer.param_groups:
+            own_groups.append([])
+            for p in group["params"]:
+                fqn_to_idx[self.by_shard[id(p)].fqn] = i
+                own_groups[-1].append(i)
+                i += 1
+        by_fqn = {e.fqn: e for e in self.params}
+        state = {}
+        for fqn, st in osd["state"].items():
+            if fqn not in fqn_to_idx:
+                continue  # another pipeline stage's parameter
+            e = by_fqn[fqn]
+            if self.owner_mode:
+                if e.owner == self.rank:  # whole-parameter states, already in the template's layout
+                    state[fqn_to_idx[fqn]] = dict(st)
+                continue
+            out = {}
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    v = v.to_local()
+                    if v.shape != e.shard.shape and v.shape == _local(e.param).shape:
+                        v = _rows(v)[e.start : e.stop].reshape(e.shard.shape)  # a gathered TP piece: keep my rows
+                elif torch.is_tensor(v) and v.dim() > 0 and v.shape == e.param.shape:
+                    v = _rows(v)[e.start : e.stop].reshape(e.shard.shape)
+                out[k] = v
+            state[fqn_to_idx[fqn]] = out
+        saved = osd["param_groups"]
+        if len(saved) != len(own_groups):
+            raise V17ConfigError(
+                f"the checkpoint's optimizer has {len(saved)} param groups but configure_optimizers builds "
+                f"{len(own_groups)}; build the same param groups as the run that saved it"
+            )
+        groups = [{**g, "params": idx} for g, idx in zip(saved, own_groups)]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def is_tp_sharded(self, p: torch.Tensor) -> bool:
+        """Whether optimizer parameter ``p`` (a shard, or a full parameter at stage 0) is a piece of a DTensor
+        parameter that is *sharded* (not replicated) on some mesh axis, i.e. tensor parallel; for clipping."""
+        e = self.by_shard.get(id(p)) or self.by_param.get(id(p))
+        placements = getattr(e.param, "placements", ()) if e is not None else ()
+        return any(pl.is_shard() or pl.is_partial() for pl in placements)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def apply_zero(
+    module: nn.Module,
+    *,
+    stage: int,
+    mesh: Any,
+    bucket_mb: float = 25.0,
+    reshard_after_forward: bool | None = None,
+    wrap_classes: Sequence[str] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    offload_params: bool = False,
+    optimizer_partition: str = "auto",
+    overlap_comm: bool = True,
+    prefetch_units: int = 1,
+    child_units: bool = False,
+) -> ZeroEngine | None:
+    """Apply ZeRO ``stage`` to ``module`` over the data-parallel axes of ``mesh`` (a DeviceMesh with axes
+    "dp_replicate", "dp_shard" and the flattened "dp"). Returns the :class:`ZeroEngine` for stages 0-2, None for 3.
+
+    ``param_dtype`` (stages 0-2) is ignored: mixed precision there is autocast (Lightning's precision plugin) over
+    fp32 parameters, which are then the master weights themselves. ``overlap_comm`` (every stage) and
+    ``prefetch_units`` and ``child_units`` (stage 3): see :class:`ZeroEngine` and
+    :func:`~lightning_v17.engine.zero.fsdp.apply_fsdp`.
+    """
+    replicate = mesh["dp_replicate"].size() > 1
+    shard_mesh = mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
+    if stage == 3:
+        apply_fsdp(
+            module,
+            mesh=shard_mesh,
+            reshard_after_forward=reshard_after_forward,
+            wrap_classes=wrap_classes,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            offload_params=offload_params,
+            overlap_comm=overlap_comm,
+            prefetch_units=prefetch_units,
+            child_units=child_units,
+        )
+        return None
+    engine = ZeroEngine(
+        module,
+        stage=stage,
+        shard_group=mesh["dp_shard"].get_group(),
+        replicate_group=mesh["dp_replicate"].get_group() if replicate else None,
+        shard_mesh=shard_mesh,
+        bucket_mb=bucket_mb,
+        reduce_dtype=reduce_dtype,
+        partition=optimizer_partition,
+        overlap=overlap_comm,
+    )
+    from lightning_v17.mesh import submesh
+
+    engine.set_dp_group(submesh(mesh, "dp").get_group())
+    return engine
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "_local_tensor")
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, *, group: Any) -> None:
+    """Make every replica start from the first rank's parameters and buffers (DDP's ``_sync_module_states``).
+
+    ``_broadcast_coalesced`` takes the source as a rank *within* ``group`` (DDP passes 0 for its subgroups): the
+    group's first rank is 0 there, whatever its global rank (e.g. global rank 2 for the dp group of pp stage 1).
+    """
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    if tensors and dist.get_world_size(group) > 1:
+        dist._broadcast_coalesced(group, [t.data for t in tensors], 250 * 2**20, 0)
