@@ -22,7 +22,7 @@ class DynamicLossScaling(Callback):
     """Dynamic fp16 loss scaling that checks every shard on every rank and never counts a skipped step.
 
     How it plugs in: use it with ``precision="16-mixed"`` (fp16 autocast over fp32 master weights, the only fp16
-    mode with master weights; seed §12.4). At ``on_fit_start`` (after the strategy's own setup) it replaces the
+    mode with master weights; design §12.4). At ``on_fit_start`` (after the strategy's own setup) it replaces the
     precision plugin's ``torch.amp.GradScaler`` with a :class:`ShardedLossScaler`; under ``V17Strategy``, which
     already runs one built from its policy, it configures that scaler (this callback's options win) instead of
     adding another. Lightning's own AMP path
@@ -99,7 +99,7 @@ class DynamicLossScaling(Callback):
         if (known is not None and not known.needs_scaler) or precision in ("64-true", "64"):
             rank_zero_warn(
                 f"DynamicLossScaling does nothing with precision={precision!r}: only fp16 needs loss scaling "
-                "(bf16 has fp32's exponent range, seed §12.1)."
+                "(bf16 has fp32's exponent range, design §12.1)."
             )
             self.active = False
             return

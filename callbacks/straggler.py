@@ -58,7 +58,7 @@ def _parse_test_sleep(value: str | None, rank: int) -> float:
 
 
 class StragglerDetector(Callback):
-    """Flags ranks that stay slower than the others (seed §15.3, §15.9 "straggler 방치: throughput 전체 ↓").
+    """Flags ranks that stay slower than the others (design §15.3, §15.9 "straggler 방치: throughput 전체 ↓").
 
     Each rank times every training batch: ``data wait`` (wall time from the start of the batch fetch to the start of
     the batch: fetching and moving the batch; taken from Lightning's profiler hook around the fetch, so the per-batch

@@ -9,7 +9,7 @@ from lightning_v17.config.errors import V17ConfigError, parse_enum
 
 
 class Axis(StrEnum):
-    """Device-mesh axes, outermost first (seed §9.8: pp outermost, tp innermost on the fastest fabric)."""
+    """Device-mesh axes, outermost first (design §9.8: pp outermost, tp innermost on the fastest fabric)."""
 
     PP = "pp"
     DP_REPLICATE = "dp_replicate"
@@ -38,7 +38,7 @@ class Recompute(StrEnum):
 
 
 class Schedule(StrEnum):
-    """Pipeline schedules (seed §10)."""
+    """Pipeline schedules (design §10)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
@@ -59,7 +59,7 @@ class Schedule(StrEnum):
 
 
 class Tier(StrEnum):
-    """Where a bucket of model state lives (seed §4, ZeRO-Infinity tiers)."""
+    """Where a bucket of model state lives (design §4, ZeRO-Infinity tiers)."""
 
     NONE = "none"  # stays on the accelerator
     CPU = "cpu"
@@ -158,7 +158,7 @@ class Precision(StrEnum):
 
 
 class OptimizerKind(StrEnum):
-    """Optimizers the factory and the planner know (seed §12). K is the optimizer-state bytes per parameter."""
+    """Optimizers the factory and the planner know (design §12). K is the optimizer-state bytes per parameter."""
 
     ADAMW = "adamw"
     ADAM = "adam"

@@ -15,7 +15,7 @@ from lightning_v17.config.mesh_spec import _check_positive_int
 
 @dataclass(frozen=True)
 class ZeroPolicy:
-    """What ZeRO partitions (Rajbhandari 2020 §5; seed §3).
+    """What ZeRO partitions (Rajbhandari 2020 §5; design §3).
 
     Args:
         stage: 0 = DDP (nothing sharded), 1 = optimizer state, 2 = + gradients, 3 = + parameters (FSDP2).
@@ -108,7 +108,7 @@ class ZeroPolicy:
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Offload tiers (seed §4; ZeRO-Offload, ZeRO-Infinity).
+    """Offload tiers (design §4; ZeRO-Offload, ZeRO-Infinity).
 
     Args:
         optimizer: where optimizer state and the fp32 master live: "none", "cpu" or "nvme".
@@ -267,7 +267,7 @@ class TPPolicy:
 
 @dataclass(frozen=True)
 class LossScalePolicy:
-    """fp16 dynamic loss scaling (seed §13; DeepSpeed's fp16 block).
+    """fp16 dynamic loss scaling (design §13; DeepSpeed's fp16 block).
 
     Args:
         init_scale: starting scale S.

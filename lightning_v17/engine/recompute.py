@@ -1,4 +1,4 @@
-"""Activation checkpointing ("recompute", seed §7), keyword-only and Lightning-free.
+"""Activation checkpointing ("recompute", design §7), keyword-only and Lightning-free.
 
 * ``full``: each unit (transformer block) keeps only its input; everything inside is recomputed in backward.
 * ``selective`` (Korthikanti 2022 §4): inside each unit the outputs of the matmuls (mm/addmm/bmm and fused

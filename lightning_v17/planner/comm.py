@@ -1,7 +1,7 @@
 """Communication volume per training step, per collective, per rank (bytes each rank sends).
 
 Torch-free. Ring collectives over n ranks move (n - 1)/n of the buffer per rank for a reduce-scatter or an
-all-gather, and twice that for an all-reduce (= reduce-scatter + all-gather, seed §3.1; ZeRO §7.1 writes this 2Ψ,
+all-gather, and twice that for an all-reduce (= reduce-scatter + all-gather, design §3.1; ZeRO §7.1 writes this 2Ψ,
 dropping (n - 1)/n ≈ 1). We keep the (n - 1)/n factor so that one rank communicates nothing.
 """
 
@@ -52,7 +52,7 @@ def dp_comm_bytes(
     Gradient accumulation (``grad_accum_steps`` micro-batches per step) leaves stages 0-1 unchanged (grads are
     reduced once, DDP ``no_sync``) but repeats stage 2's reduce-scatter and stage 3's gathers and reduce-scatter
     every micro-batch, because partitioned gradients cannot accumulate locally. This is why PP (many
-    micro-batches) pairs with ZeRO-1 only (seed, anti-patterns: "PP + ZeRO-3 → ZeRO-1만").
+    micro-batches) pairs with ZeRO-1 only (design §17.5, anti-patterns: "PP + ZeRO-3 → ZeRO-1만").
 
     Args:
         params_per_rank: Ψ = parameters per model-parallel rank (num_params / (tp·pp)).

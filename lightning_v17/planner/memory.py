@@ -2,7 +2,7 @@
 
 Torch-free. Every function has its units in its name and its source in its docstring. Bytes are per rank.
 
-Conventions (seed §1-§2, ZeRO Table 1): mixed precision keeps 16-bit parameters (2 B) and gradients (2 B); the
+Conventions (design §1-§2, ZeRO Table 1): mixed precision keeps 16-bit parameters (2 B) and gradients (2 B); the
 optimizer bucket holds everything the optimizer owns, the fp32 master copy included (K = 12 for Adam). In fp32
 training the parameter itself is the master, so K = 8 for Adam (exp_avg + exp_avg_sq).
 """
@@ -472,7 +472,7 @@ def zero3_gather_bytes(
 ) -> int:
     """Temporary bytes of ZeRO-3/FSDP: the all-gathered largest unit, plus prefetched units, plus its full grad.
 
-    Source: ZeRO (Rajbhandari 2020) §5.3 (parameters are gathered per layer and freed after use), seed §3.7
+    Source: ZeRO (Rajbhandari 2020) §5.3 (parameters are gathered per layer and freed after use), design §3.7
     and §5.8 ("full param (AG 직후): P_i ← temporary"); FSDP2 prefetches one unit ahead by default, so
     (1 + prefetch) units are gathered at once. In backward the unit's unsharded gradient exists until its
     reduce-scatter. Under TP the gathered unit is the rank's TP shard, hence / tp.

@@ -119,7 +119,7 @@ class ModelShape:
     def largest_unit_params(self) -> int:
         """Parameters of the largest ZeRO-3/FSDP unit when every block, the embedding and the head are units.
 
-        This is what one all-gather materializes at once (seed §5.8: "full param (AG 직후): P_i ← temporary").
+        This is what one all-gather materializes at once (design §5.8: "full param (AG 직후): P_i ← temporary").
         """
         return max(self.block_params, self.embedding_params, self.head_params)
 

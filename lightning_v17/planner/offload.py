@@ -1,6 +1,6 @@
 """Offload tiers (GPU / CPU / NVMe): where each bucket lives and what moves over PCIe and NVMe per step.
 
-Torch-free. Sources: ZeRO-Offload (Ren 2021) §4.1 and ZeRO-Infinity (Rajbhandari 2021) §5; seed §4.
+Torch-free. Sources: ZeRO-Offload (Ren 2021) §4.1 and ZeRO-Infinity (Rajbhandari 2021) §5; design §4.
 """
 
 from __future__ import annotations

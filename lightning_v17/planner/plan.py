@@ -1,7 +1,7 @@
 """Planner inputs (dataclasses), layout resolution, and the assembled :class:`Plan`.
 
 Torch-free. The CLI maps flags onto :class:`ModelSpec`, :class:`ClusterSpec` and :class:`TrainSpec`;
-:func:`make_plan` resolves what was left unset from the seed's decision tree (recipes.py) and evaluates every
+:func:`make_plan` resolves what was left unset from the design outline's decision tree (recipes.py) and evaluates every
 formula (memory.py, comm.py, pipeline.py, throughput.py, offload.py, resilience.py) for the resolved layout.
 """
 
@@ -375,7 +375,7 @@ def _resolve_world(cluster: ClusterSpec, train: TrainSpec, tp: int, pp: int, cp:
 
 def _resolve_batch(train: TrainSpec, *, dp: int, pp: int) -> tuple[int, int]:
     """(microbatches m, global_batch G) with G = dp·b·m (Narayanan 2021 §2: batch B = b·m per pipeline, times d
-    data-parallel replicas). Unset, m = 4·p (seed §10.7). Raises when the flags disagree."""
+    data-parallel replicas). Unset, m = 4·p (design §10.7). Raises when the flags disagree."""
     b = train.micro_batch
     if train.microbatches is not None:
         m = train.microbatches

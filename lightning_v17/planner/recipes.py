@@ -1,13 +1,13 @@
-"""The seed's decision tree (§17.4) and its anti-patterns (§17.5), as pure functions.
+"""The design outline's decision tree (§17.4) and its anti-patterns (§17.5), as pure functions.
 
-Torch-free. The tree (seed §17.4):
+Torch-free. The tree (design §17.4):
 
     model ≤ 10B?          → FSDP FULL_SHARD (ZeRO-3) only
     intra-node NVLink?    → TP = 8 inside the node
     model ≤ 100B?         → TP8 + PP4 + DP
     otherwise             → TP8 + PP≥8 + ZeRO-1 (+ CP for long sequences / EP for MoE)
 
-Anti-patterns (seed §17.5, §10.7): TP across nodes; tp not dividing the heads; fewer than 4·p micro-batches; small
+Anti-patterns (design §17.5, §10.7): TP across nodes; tp not dividing the heads; fewer than 4·p micro-batches; small
 DP with a huge PP; ZeRO with nothing to shard over; a plan that does not fit in device memory. Combinations that
 V17Strategy refuses (PP with ZeRO-2/3, offload_params below ZeRO-3, ...) are warned from the one rules table,
 :mod:`lightning_v17.config.rules`, with its message and fix.
@@ -32,8 +32,8 @@ from lightning_v17.config import (
 from lightning_v17.config.rules import Layout as RulesLayout
 from lightning_v17.config.rules import Rule, violations
 
-SMALL_MODEL_PARAMS = 10e9  # seed §17.4: "model ≤ 10B? → FSDP (FULL_SHARD) only"
-MEDIUM_MODEL_PARAMS = 100e9  # seed §17.4: "model ≤ 100B? → TP8 + PP4 + DP"
+SMALL_MODEL_PARAMS = 10e9  # design §17.4: "model ≤ 10B? → FSDP (FULL_SHARD) only"
+MEDIUM_MODEL_PARAMS = 100e9  # design §17.4: "model ≤ 100B? → TP8 + PP4 + DP"
 LONG_SEQUENCE = 32768  # beyond this, the tree's "+CP" branch applies (context parallelism)
 
 
@@ -82,7 +82,7 @@ def recommend(
     seq: int | None = None,
     model_state_fits: Callable[[int, int], bool] | None = None,
 ) -> Recommendation:
-    """Walk the seed's decision tree (§17.4).
+    """Walk the design outline's decision tree (§17.4).
 
     Args:
         num_params: model parameters.
@@ -108,11 +108,11 @@ def recommend(
         return tp, pp
 
     if num_params <= SMALL_MODEL_PARAMS:
-        reason = "≤10B parameters: FSDP FULL_SHARD (ZeRO-3) over all ranks, no TP/PP (seed §17.4)"
+        reason = "≤10B parameters: FSDP FULL_SHARD (ZeRO-3) over all ranks, no TP/PP (design §17.4)"
         tp, pp, zero = 1, 1, ZeroPolicy(stage=3)
     elif not nvlink or gpus_per_node < 2:
         reason = (">10B without an intra-node NVLink fabric: TP would cross slow links, so FSDP FULL_SHARD "
-                  "(ZeRO-3) over all ranks (seed §17.4-18.5)")
+                  "(ZeRO-3) over all ranks (design §17.4-18.5)")
         tp, pp, zero = 1, 1, ZeroPolicy(stage=3)
     else:
         tp_limit = min(8, gpus_per_node)
@@ -120,10 +120,10 @@ def recommend(
         if tp != tp_limit:
             notes.append(f"tp={tp_limit} does not divide the model dims {tp_dims}; using tp={tp}")
         if num_params <= MEDIUM_MODEL_PARAMS:
-            reason = "10-100B parameters with NVLink: TP8 inside the node + PP4 + DP (ZeRO-1) (seed §17.4)"
+            reason = "10-100B parameters with NVLink: TP8 inside the node + PP4 + DP (ZeRO-1) (design §17.4)"
             pp = min(4, max_pp)
         else:
-            reason = ">100B parameters: TP8 + PP≥8 + ZeRO-1 (+CP/EP) (seed §17.4)"
+            reason = ">100B parameters: TP8 + PP≥8 + ZeRO-1 (+CP/EP) (design §17.4)"
             pp = min(8, max_pp)
             while model_state_fits is not None and not model_state_fits(tp, pp) and pp * 2 <= max_pp:
                 if gpus is not None and gpus % (tp * pp * 2) != 0:
@@ -137,7 +137,7 @@ def recommend(
         notes.append(f"{gpus} devices cannot hold tp={tp} x pp={pp}; shrunk to tp={capped[0]} x pp={capped[1]}")
         tp, pp = capped
     if seq is not None and seq >= LONG_SEQUENCE:
-        notes.append(f"seq={seq} ≥ {LONG_SEQUENCE}: add context parallelism (cp) to split activations (seed §17.4)")
+        notes.append(f"seq={seq} ≥ {LONG_SEQUENCE}: add context parallelism (cp) to split activations (design §17.4)")
     if num_params > MEDIUM_MODEL_PARAMS:
         notes.append("for MoE models add expert parallelism (EP), not modelled here")
     dp = gpus // (tp * pp) if gpus is not None else None
@@ -204,23 +204,23 @@ def anti_pattern_warnings(
     fp8: FP8Recipe | None = None,
 ) -> list[str]:
     """Warnings for the layout: the composition rules it violates (:func:`rule_warnings`), then its anti-patterns
-    (seed §17.5, §10.7). Each names the fix."""
+    (design §17.5, §10.7). Each names the fix."""
     warnings = rule_warnings(zero=zero, pp=pp, tp=tp, sp=sp, offload_optimizer=offload_optimizer,
                              offload_params=offload_params, fp8=fp8)  # fmt: skip
     if tp > gpus_per_node:
         warnings.append(
             f"TP across nodes: tp={tp} > gpus_per_node={gpus_per_node}; TP's per-layer all-reduces need NVLink, "
-            f"keep tp <= {gpus_per_node} (seed §17.5)"
+            f"keep tp <= {gpus_per_node} (design §17.5)"
         )
     if pp > 1 and microbatches < 4 * pp:
         warnings.append(
             f"micro-batch count m={microbatches} < 4·p={4 * pp}: the bubble is large; raise --microbatches or "
-            f"--global-batch, or use an interleaved/zero-bubble schedule (seed §10.7)"
+            f"--global-batch, or use an interleaved/zero-bubble schedule (design §10.7)"
         )
     if pp >= 8 and dp <= 2:
         warnings.append(
             f"small DP with a huge PP (dp={dp}, pp={pp}): the DP gradient all-reduce cannot hide in the bubble "
-            f"(seed §17.5); trade pipeline stages for data parallelism"
+            f"(design §17.5); trade pipeline stages for data parallelism"
         )
     if zero.shards_optimizer and dp * cp == 1:
         warnings.append(f"zero_stage={zero.stage} with dp=1 shards nothing; ZeRO partitions over data parallelism")
@@ -245,7 +245,7 @@ def fit_warning(gpu_bytes: int, memory_bytes: int, *, name: str, total_bytes: in
 
 
 def default_microbatches(pp: int) -> int:
-    """m = 4·p micro-batches per step with a pipeline (seed §10.7: "M ≥ 4·P → 1F1B 충분"), 1 without."""
+    """m = 4·p micro-batches per step with a pipeline (design §10.7: "M ≥ 4·P → 1F1B 충분"), 1 without."""
     return 4 * pp if pp > 1 else 1
 
 

@@ -1,4 +1,4 @@
-"""Render a :class:`~lightning_v17.planner.plan.Plan`: the human report (seed §1.5 ASCII bars) and the JSON object.
+"""Render a :class:`~lightning_v17.planner.plan.Plan`: the human report (design §1.5 ASCII bars) and the JSON object.
 
 Torch-free. Bytes are per rank; GB = 1e9 bytes (ZeRO's unit). JSON bytes are integers.
 """
@@ -83,7 +83,7 @@ def _state_dtype(name: str, plan: Plan) -> str:
 
 
 def bucket_rows(plan: Plan) -> list[tuple[str, int, str]]:
-    """(label, bytes, tier) for each bar, in the seed's order (§1.5)."""
+    """(label, bytes, tier) for each bar, in the design outline's order (§1.5)."""
     m, lay = plan.memory, plan.layout
     dt = _dtype(lay.precision)
     grad_tier = Tier.CPU if lay.offload_optimizer != Tier.NONE else Tier.NONE

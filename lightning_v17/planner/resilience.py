@@ -56,9 +56,9 @@ def cluster_mtbf_s(node_mtbf_s: float, nodes: int) -> float:
 
 
 def checkpoint_write_s(bytes_per_node: float, *, write_bytes_per_s: float) -> float:
-    """Seconds to write one sharded checkpoint when every node writes its shards in parallel (seed §15.4).
+    """Seconds to write one sharded checkpoint when every node writes its shards in parallel (design §15.4).
 
-    Source: sharded save (seed §15.4, "write BW ∝ N"): time = bytes per node / per-node write bandwidth.
+    Source: sharded save (design §15.4, "write BW ∝ N"): time = bytes per node / per-node write bandwidth.
     """
     if not write_bytes_per_s > 0:
         raise ValueError(f"write_bytes_per_s={write_bytes_per_s} must be > 0")

@@ -1,7 +1,7 @@
 """A step watchdog: a hung rank is named (with the collective it waits in and the step), a failing rank ends its
 peers with its own error, and both exit non-zero so an elastic launcher restarts the group.
 
-Torch-only, Lightning-free. Why it is needed (seed §16; Lightning#20434, #19487): a collective that one rank never
+Torch-only, Lightning-free. Why it is needed (design §16; Lightning#20434, #19487): a collective that one rank never
 joins blocks the others until the process-group timeout (30 minutes by default) with a message that names neither
 the rank nor the op; and a rank that raises leaves its peers blocked the same way. ``ProcessGroupGloo.abort()`` does
 not unblock a pending operation (measured here, torch 2.13), so, as torch's NCCL watchdog does with

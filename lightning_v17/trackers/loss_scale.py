@@ -1,8 +1,8 @@
-"""Dynamic fp16 loss scaling that is aware of ZeRO shards, DTensors and every rank (seed §13.2; Micikevicius 2018).
+"""Dynamic fp16 loss scaling that is aware of ZeRO shards, DTensors and every rank (design §13.2; Micikevicius 2018).
 
 Two pieces, both Lightning-free:
 
-- :class:`LossScaleTracker` is the pure state machine of seed §13.2 ("up, skip, down")::
+- :class:`LossScaleTracker` is the pure state machine of design §13.2 ("up, skip, down")::
 
       if any(grad is inf/NaN):  skip the step; S <- S * backoff (after ``hysteresis`` overflows); n_ok <- 0
       else:                     apply the step; n_ok += 1; if n_ok == growth_interval: S <- S * growth; n_ok <- 0
@@ -43,7 +43,7 @@ class LossScaleError(RuntimeError):
 
 @dataclass
 class LossScaleTracker:
-    """The seed §13.2 dynamic loss-scale state machine (pure Python, no tensors).
+    """The design §13.2 dynamic loss-scale state machine (pure Python, no tensors).
 
     Args:
         policy: the options (init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
@@ -198,7 +198,7 @@ class ShardedLossScaler:
         """Divide this rank's gradient shards by S in place and decide, across all ranks, whether any overflowed.
 
         Runs once per optimizer per iteration (a second call raises, as in GradScaler, because it would unscale
-        twice). Call it before clipping gradients so the clip threshold sees true, unscaled norms (seed §13.8).
+        twice). Call it before clipping gradients so the clip threshold sees true, unscaled norms (design §13.8).
         """
         if id(optimizer) in self._found_inf:
             raise RuntimeError("unscale_() was already called on this optimizer since the last update()")

@@ -1,4 +1,4 @@
-"""Per-rank memory buckets measured from real tensor storage (seed §1: param / grad / optimizer state / activation).
+"""Per-rank memory buckets measured from real tensor storage (design §1: param / grad / optimizer state / activation).
 
 Lightning-free. Model-state bytes are counted from ``untyped_storage()`` and deduplicated by (device, storage
 data_ptr), so views (DDP bucket views, FSDP2 shards inside a padded buffer, ZeRO shard views into a flat buffer,

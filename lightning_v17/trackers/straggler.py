@@ -1,4 +1,4 @@
-"""Straggler statistics: per-rank step timings, robust cross-rank comparison, patience (seed §15.3).
+"""Straggler statistics: per-rank step timings, robust cross-rank comparison, patience (design §15.3).
 
 Lightning-free and torch-free. The Lightning adapter (:class:`lightning_v17.callbacks.StragglerDetector`) measures
 per-step timings on each rank, all-gathers one window of them every ``every_n_steps`` steps and feeds the gathered

@@ -1,7 +1,7 @@
 """V17 callbacks under Lightning's own ``"ddp"`` strategy on 2 real gloo ranks.
 
 All checks share one spawn (one set of imports); each rank builds several small ``lightning.Trainer`` runs in turn.
-Expected values come from the seed's algorithm written out by hand here, never from the code under test.
+Expected values come from the design outline's algorithm written out by hand here, never from the code under test.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def _lr(global_step: int) -> float:
 def test_loss_scaling_inf_on_one_rank_skips_everywhere(results):
     for rank, res in enumerate(results):
         rows = res["loss_scaling"]["A"]
-        # batch: 0 1 2(inf on rank 0) 3 4 5 6 -- hand-applied seed §13.2 with growth_interval=3, S0=1024.
+        # batch: 0 1 2(inf on rank 0) 3 4 5 6 -- hand-applied design §13.2 with growth_interval=3, S0=1024.
         assert [r["global_step"] for r in rows] == [1, 2, 2, 3, 4, 5, 6], rank
         assert [r["scale"] for r in rows] == [1024, 1024, 512, 512, 512, 1024, 1024], rank
         assert [r["skipped"] for r in rows] == [0, 0, 1, 1, 1, 1, 1], rank

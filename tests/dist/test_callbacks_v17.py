@@ -1,7 +1,7 @@
 """V17 callbacks under V17Strategy on 2 real gloo ranks: fp16 loss scaling with an inf in ONE rank's ZeRO-3 gradient
 shard, and memory buckets against the planner for ZeRO stages 0-3 (plus MFU under ZeRO-3).
 
-One spawn; each rank runs one Trainer per case. Expected values are written out by hand (seed §13.2; ZeRO §3.1).
+One spawn; each rank runs one Trainer per case. Expected values are written out by hand (design §13.2; ZeRO §3.1).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_zero3_inf_in_one_rank_shard_skips_on_both_ranks(results):
         r = res["zero3_inf"]
         assert r["param_type"] == "DTensor", "ZeRO-3 did not shard the parameters"
         rows = r["rows"]
-        # same hand-applied seed §13.2 sequence as under ddp: inf on rank 0's local shard at batch 2
+        # same hand-applied design §13.2 sequence as under ddp: inf on rank 0's local shard at batch 2
         assert [x["global_step"] for x in rows] == [1, 2, 2, 3, 4, 5, 6], rank
         assert [x["scale"] for x in rows] == [1024, 1024, 512, 512, 512, 1024, 1024], rank
         assert rows[2]["wsum"] == rows[1]["wsum"], rank  # skipped: the (gathered) weights did not move

@@ -227,7 +227,7 @@ def test_strategy_errors_name_the_option_and_the_fix() -> None:
         V17Strategy(pp=2, tp=2, dp_shard=2, zero_stage=1).resolve_mesh(4)
     with pytest.raises(V17ConfigError, match=r"world size 2 is not divisible by .* = 3"):
         V17Strategy(tp=3).resolve_mesh(2)
-    for stage in (2, 3):  # seed §17.5: PP composes with ZeRO-1 only; refused at construction
+    for stage in (2, 3):  # design §17.5: PP composes with ZeRO-1 only; refused at construction
         with pytest.raises(V17ConfigError, match=rf"pp=2 with zero_stage={stage} is not supported.*set zero_stage=1"):
             V17Strategy(pp=2, zero_stage=stage)
     with pytest.raises(V17ConfigError, match="pp=2 with zero_stage=2"):  # also when the stage comes from a DS config

@@ -1,6 +1,6 @@
 """The pure loss-scale state machine and the scaler on plain tensors (no process group).
 
-Expected sequences are the seed §13.2 algorithm applied by hand.
+Expected sequences are the design §13.2 algorithm applied by hand.
 """
 
 from __future__ import annotations

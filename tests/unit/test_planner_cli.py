@@ -48,7 +48,7 @@ def test_json_has_the_issue_keys_as_ints(capsys):
 def test_llama3_70b_on_512_h100_follows_the_tree_and_hand_numbers(capsys):
     out = _plan(capsys, "--model", "llama3-70b", "--gpus", "512")
     rec = out["recommendation"]
-    # seed §17.4: 10-100B with NVLink -> TP8 + PP4 + DP (ZeRO-1); 512 / 32 = 16
+    # design §17.4: 10-100B with NVLink -> TP8 + PP4 + DP (ZeRO-1); 512 / 32 = 16
     assert (rec["tp"], rec["pp"], rec["dp"], rec["zero_stage"]) == (8, 4, 16, 1)
     assert rec["recompute"] == "none" and rec["warnings"] == []  # fits without recompute (below), so none
     pr = out["per_rank"]

@@ -1,4 +1,4 @@
-"""Gradient clipping by the *global* norm of sharded gradients (seed §3: "shard만 clip → norm 계산 틀림").
+"""Gradient clipping by the *global* norm of sharded gradients (design §3: "shard만 clip → norm 계산 틀림").
 
 Under ZeRO each rank holds only part of every gradient, so ``torch.nn.utils.clip_grad_norm_`` over the local
 tensors computes a per-rank norm and every rank would scale by a different factor. Here each rank sums the squares of

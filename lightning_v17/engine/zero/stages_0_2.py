@@ -1,4 +1,4 @@
-"""ZeRO stages 0-3 as keyword-only, Lightning-free functions (Rajbhandari 2020, "ZeRO", §5; seed §3).
+"""ZeRO stages 0-3 as keyword-only, Lightning-free functions (Rajbhandari 2020, "ZeRO", §5; design §3).
 
 * Stage 0 (DDP semantics): parameters, gradients and optimizer state replicated; gradients are all-reduced over the
   data-parallel ranks in buckets as backward produces them.
