@@ -1,7 +1,7 @@
 """Plain ``torchrun --max-restarts 1`` restarts of a V17 ZeRO-3 job, N consecutive tries (issue "fault tolerance",
 acceptance: 10 of 10 resume and finish bit-exact), with the kill-to-first-step time split into its parts.
 
-Each try launches ``torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m tests.dist._torchrun_job`` with
+Each try launches ``torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m tests.integration._torchrun_job`` with
 rank 1 hard-exiting after step 10; the restarted attempt resumes from the newest complete async checkpoint. Its
 losses are compared (==) with one uninterrupted launch of the same job. The events every rank writes give the split:
 
@@ -14,7 +14,7 @@ losses are compared (==) with one uninterrupted launch of the same job. The even
 
 Prints one JSON object. ``python bench/fault.py --tries 10`` (about 7 minutes on 2 cores).
 
-``--scenario agent-kill`` (``tests/dist/test_elastic_agents.py``): two torchrun agents (``--nnodes=1:2``, c10d
+``--scenario agent-kill`` (``tests/integration/test_elastic_agents.py``): two torchrun agents (``--nnodes=1:2``, c10d
 rendezvous) stand for two nodes; the second is SIGKILLed with its worker after step 5, the survivor re-forms at world
 size 1 and resumes from the newest complete checkpoint, then a third agent joins and the group finishes the epoch at
 world size 2. Each try checks the sample ids (each of the epoch's exactly once) and the losses against a
@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.dist.test_elastic_agents import check, run_agent_kill
-from tests.dist.test_torchrun_restart import events, losses, run_job
+from tests.integration.test_elastic_agents import check, run_agent_kill
+from tests.integration.test_torchrun_restart import events, losses, run_job
 
 PARTS = ("detect_restart_s", "python_imports_s", "group_form_s", "load_s", "first_step_s")
 MEDIANS = (*PARTS, "kill_to_first_step_s", "excluding_python_imports_s")

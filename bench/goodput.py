@@ -29,7 +29,7 @@ Prints one JSON object: the measured goodput and its breakdown, the predicted go
 ``measured / predicted`` (the target is within 10%). ``python bench/goodput.py``: 516 executed steps and three
 restarts, measured 8.8 min at load average 12 and 14 min at 24 on the 2 shared cores (about 5 min expected idle);
 ``--quick`` (one failure, 168 executed steps: 2.7 min at load 11, 5 min at 20) is what
-``tests/dist/test_goodput_restart.py`` runs.
+``tests/integration/test_goodput_restart.py`` runs.
 
 Expect ``ratio`` a few percent below 1: the formula is Daly's for exponential (Poisson) failures, which also strike
 during restarts and lose a little less than R + τ/2 each on average, while this schedule's failures are evenly

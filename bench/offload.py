@@ -99,7 +99,8 @@ def _worker(args: argparse.Namespace, arm: str) -> None:
     from lightning_v17.strategies import V17Strategy
 
     from lightning_v17.config import OffloadPolicy, ZeroPolicy
-    from lightning_v17.engine.offload.optimizer import offload_of, planned_state_bytes
+    from lightning_v17.engine.offload.handles import offload_of
+    from lightning_v17.engine.offload.optimizer import planned_state_bytes
     from lightning_v17.optim import AdamW
 
     shape = C.GPTShape(**json.loads(args.shape))

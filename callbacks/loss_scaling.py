@@ -9,7 +9,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_v17.config import LossScalePolicy, Precision, V17ConfigError
-from lightning_v17.trackers.loss_scale import LossScaleError, LossScaleTracker, ShardedLossScaler
+from lightning_v17.engine.precision import ShardedLossScaler
+from lightning_v17.trackers import LossScaleError, LossScaleTracker
 
 __all__ = ["DynamicLossScaling", "LossScaleError"]
 

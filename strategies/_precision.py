@@ -11,8 +11,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from lightning_v17.config import LossScalePolicy
 from lightning_v17.config import Precision as V17Precision
-from lightning_v17.engine.precision.clip import clip_grad_norm_
-from lightning_v17.trackers.loss_scale import LossScaleTracker, ShardedLossScaler
+from lightning_v17.engine.precision import ShardedLossScaler, clip_grad_norm_
+from lightning_v17.trackers import LossScaleTracker
 
 if TYPE_CHECKING:
     from lightning_v17.strategies.v17 import V17Strategy
@@ -50,21 +50,6 @@ def build_loss_scaler(strategy: V17Strategy, like: Any = None) -> ShardedLossSca
             min_scale=min(1.0, float(like.get_scale())),
         )
     return ShardedLossScaler(LossScaleTracker(policy or LossScalePolicy()))
-
-
-def mixed_precision_dtypes(plugin: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy (stage 3) and the stage 0-2 reductions.
-
-    "bf16-mixed"/"16-mixed" (a precision with an fp32 master, :attr:`~lightning_v17.config.Precision.has_master`):
-    compute in its :attr:`~lightning_v17.config.Precision.compute_dtype`, reduce gradients in fp32, the sharded fp32
-    parameter is the master. Stages 0-2 keep fp32 parameters and rely on Lightning's autocast (the precision
-    plugin), so their gradients are fp32 already. "32-true", "bf16-true" (the plugin converts the module) and
-    Lightning precisions without a member here ("64-true", "16-true", ...): nothing to add.
-    """
-    p = V17Precision.lookup(getattr(plugin, "precision", "32-true"))
-    if p is None or not p.has_master:
-        return None, None
-    return getattr(torch, p.compute_dtype), torch.float32
 
 
 class ShardedClipping:

@@ -51,6 +51,7 @@ from lightning_v17.config import (
     ZeroPolicy,
 )
 from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize
+from lightning_v17.engine.precision import mixed_precision_dtypes
 from lightning_v17.engine.zero import fsdp as fsdp_engine
 from lightning_v17.engine.zero.backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
@@ -291,7 +292,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
             if spec.pp > 1:
                 pipeline, layout, loss_fn = _pipeline.pipeline_options(model, policy.pipeline)
                 policy = replace(policy, pipeline=pipeline)
-        param_dtype, reduce_dtype = _precision.mixed_precision_dtypes(self.precision_plugin)
+        param_dtype, reduce_dtype = mixed_precision_dtypes(self.precision_plugin.precision)
         self._parallel = parallelize(
             model, mesh=self.mesh, policy=policy, device=self.root_device, tp_plan=tp_plan, pp_layout=layout,
             loss_fn=loss_fn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

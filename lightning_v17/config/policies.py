@@ -154,13 +154,13 @@ class OffloadPolicy:
             ``nvme_return``, ``nvme_params`` / ``nvme_params_return``).
     """
 
-    optimizer: Tier = Tier.NONE
-    params: Tier = Tier.NONE
+    optimizer: Tier | str = "none"  # plain defaults: the Lightning CLI prints and parses them as written
+    params: Tier | str = "none"
     nvme_path: str | None = None
     optimizer_ratio: float = 1.0
     buffer_count: int = 2
     chunk_mb: float = 4.0
-    host_memory: HostMemory | None = None
+    host_memory: HostMemory | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "offload_optimizer"))

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_v17.engine._dtensor import local_tensor as _local
 from lightning_v17.optim.factory import OptimizerName
-from lightning_v17.optim.local_shards import has_dtensor_params, local_grad
+from lightning_v17.optim.local_step import has_dtensor_params, local_grad
 
 __all__ = ["Adafactor"]
 

@@ -1,7 +1,7 @@
 """The optimizer classes of :mod:`lightning_v17.optim`, each nameable in YAML (``class_path``/``init_args``).
 
 Every class steps DTensor parameters (FSDP2 shards at ZeRO-3, tensor-parallel pieces) on their local tensors
-(:class:`~lightning_v17.optim.local_shards.LocalShardStep`) and declares ``v17_kind`` and ``v17_elementwise``.
+(:class:`~lightning_v17.optim.local_step.LocalShardStep`) and declares ``v17_kind`` and ``v17_elementwise``.
 
 The backends are imported when a class is first instantiated, not when this module is: bitsandbytes takes ~8 s to
 import here and DeepSpeed's CPU-Adam JIT-compiles (35-110 s) on first use. A public class whose backend is chosen at
@@ -21,7 +21,7 @@ import torch
 
 from lightning_v17.config import V17ConfigError
 from lightning_v17.optim.factory import OptimizerName
-from lightning_v17.optim.local_shards import LocalShardStep
+from lightning_v17.optim.local_step import LocalShardStep
 
 __all__ = ["Adam8bit", "AdamW", "CPUAdam", "Lion", "Lion8bit", "cpu_adam_cached", "cpu_adam_unavailable"]
 

@@ -28,7 +28,7 @@ STRATEGY_CLASS = "lightning_v17.strategies.V17Strategy"
 #: The comment line that records the producing command; :func:`recorded_command` reads it back.
 COMMAND_PREFIX = "# command: v17 plan "
 #: Offload tiers V17Strategy accepts today (an nvme tier needs an ``nvme_path`` the plan cannot know);
-#: tests/unit/test_emit_config.py checks these sets against the real strategy, so they cannot drift apart.
+#: tests/integration/test_emit_config.py checks these sets against the real strategy, so they cannot drift apart.
 IMPLEMENTED_OFFLOAD_OPTIMIZER: frozenset[Tier] = frozenset({Tier.NONE, Tier.CPU})  # nvme also needs nvme_path
 IMPLEMENTED_OFFLOAD_PARAMS: frozenset[Tier] = frozenset({Tier.NONE, Tier.CPU})
 #: LlamaLM (lightning_v17/models/lightning.py) configures AdamW; other optimizers need another LightningModule.

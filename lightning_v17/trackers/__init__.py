@@ -2,7 +2,8 @@
 
 One module per concern, each tested alone in tests/unit:
 
-- :mod:`.loss_scale`: the dynamic loss-scale state machine and a ZeRO-shard-aware fp16 grad scaler.
+- :mod:`.loss_scale`: the dynamic loss-scale state machine (its tensor side is
+  :class:`lightning_v17.engine.precision.ShardedLossScaler`).
 - :mod:`.straggler`: windowed per-rank timing statistics (median / MAD) and patience-based flagging.
 - :mod:`.throughput`: tokens/s, FLOP/s and MFU arithmetic, and the cached CPU matmul peak probe.
 - :mod:`.memory`: storage-deduplicated byte counts of params, grads and optimizer state; RSS helpers.
@@ -10,7 +11,7 @@ One module per concern, each tested alone in tests/unit:
 
 from lightning_v17.trackers.bad_steps import BadStepError, BadStepTracker, BadStepVerdict
 from lightning_v17.trackers.goodput import GoodputBreakdown, GoodputTracker
-from lightning_v17.trackers.loss_scale import LossScaleError, LossScaleTracker, ShardedLossScaler, optimizer_grads
+from lightning_v17.trackers.loss_scale import LossScaleError, LossScaleTracker
 from lightning_v17.trackers.memory import (
     MeasuredBytes,
     StorageCounter,
@@ -49,7 +50,6 @@ __all__ = [
     "LossScaleTracker",
     "MeasuredBytes",
     "RankWindowStats",
-    "ShardedLossScaler",
     "StepSample",
     "StorageCounter",
     "StragglerReport",
@@ -61,7 +61,6 @@ __all__ = [
     "measure_model_state",
     "median",
     "mfu",
-    "optimizer_grads",
     "optimizer_state_tensors",
     "peak_rss_bytes",
     "probe_peak_flops_per_s",

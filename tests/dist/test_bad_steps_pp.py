@@ -22,7 +22,7 @@ POISON, STEPS, RTOL = 2, 5, 1e-5  # batch index poisoned; applied steps; toleran
 
 def _data():
     from lightning_v17.data import PackedDataModule
-    from tests.dist._torchrun_elastic_job import SEQ, documents
+    from tests.integration._torchrun_elastic_job import SEQ, documents
 
     return PackedDataModule(documents(), seq_len=SEQ, batch_size=2, seed=0)  # packed rows of one length
 
@@ -33,7 +33,7 @@ def _worker(rank: int, world: int) -> dict:
 
     from lightning_v17 import PipelinePolicy, V17Strategy
     from lightning_v17.models.lightning import next_token_loss
-    from tests.dist._torchrun_elastic_job import make_module
+    from tests.integration._torchrun_elastic_job import make_module
 
     torch.set_num_threads(1)
     module = make_module()
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int) -> dict:
 def _reference() -> dict[int, float]:
     from lightning_v17.data.packing import collate_rows
     from lightning_v17.models.lightning import next_token_loss
-    from tests.dist._torchrun_elastic_job import make_module
+    from tests.integration._torchrun_elastic_job import make_module
 
     dm = _data()
     dm.setup("fit")

@@ -52,7 +52,7 @@ def _fit(ckpt: Path, *, resume: bool = False) -> list[tuple[int, list[int]]]:
     import lightning as L
     import torch
 
-    from tests.dist._torchrun_elastic_job import make_data, make_module, sample_ids
+    from tests.integration._torchrun_elastic_job import make_data, make_module, sample_ids
 
     seen: list[tuple[int, list[int]]] = []
 
@@ -73,7 +73,7 @@ def _fit(ckpt: Path, *, resume: bool = False) -> list[tuple[int, list[int]]]:
 
 @pytest.mark.timeout(120)
 def test_mid_epoch_resume_with_max_epochs_trains_the_whole_epoch(tmp_path):
-    from tests.dist._torchrun_elastic_job import DOCS
+    from tests.integration._torchrun_elastic_job import DOCS
 
     first = _fit(tmp_path / "mid.ckpt")
     second = _fit(tmp_path / "mid.ckpt", resume=True)

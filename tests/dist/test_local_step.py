@@ -2,7 +2,7 @@
 
 A plain ``torch.optim.AdamW`` (or SGD, Adam, ...) over FSDP2 / tensor-parallel DTensor parameters pays DTensor
 dispatch on every elementwise op of its step; ``ZeroBackend.prepare_optimizers`` replaces the step of the elementwise
-``torch.optim`` classes with one that runs on the local tensors (``lightning_v17.optim.local_shards``). Each case runs
+``torch.optim`` classes with one that runs on the local tensors (``lightning_v17.optim.local_step``). Each case runs
 in one spawned pair of ranks twice, through a real Trainer: as built, and with ``enable_local_step`` switched off
 (the DTensor step torch would run). Checked:
 
@@ -73,7 +73,6 @@ def reference(case: str) -> dict:
 
 
 def _fit(case: str, local: bool, rank: int) -> dict:
-    import importlib
     import warnings
 
     import lightning as L
@@ -117,8 +116,7 @@ def _fit(case: str, local: bool, rank: int) -> dict:
     else:
         sampler = DistributedSampler(ds, num_replicas=WORLD, rank=rank, shuffle=False)
         loader = DataLoader(ds, batch_size=PER_RANK_BATCH, sampler=sampler)
-    # the package exports a function named local_shards, which hides the submodule from `import ... as`
-    ls = importlib.import_module("lightning_v17.optim.local_shards")
+    from lightning_v17.optim import local_step as ls
     original = ls.enable_local_step
     if not local:
         ls.enable_local_step = lambda opt: False  # the DTensor step torch would run

@@ -78,7 +78,7 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from lightning_v17.config import OffloadPolicy
-    from lightning_v17.engine.offload.optimizer import offload_of
+    from lightning_v17.engine.offload.handles import offload_of
 
     rank = int(os.environ["RANK"])
     over = {"lr": OPTIMIZERS[name]["lr"] * lr_scale_rank1} if rank == 1 else {}

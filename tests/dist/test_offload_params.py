@@ -68,7 +68,7 @@ def fit_params(root: str, tag: str, *, params: str = "nvme", optimizer: str = "n
 
     from lightning_v17.config import OffloadPolicy
     from lightning_v17.engine.offload import host_memory as host_buffers
-    from lightning_v17.engine.offload.optimizer import offload_of
+    from lightning_v17.engine.offload.handles import offload_of
 
     rank = int(os.environ["RANK"])
     model = _lit_cls((lambda p: _make(opt, p)) if opt else None)()

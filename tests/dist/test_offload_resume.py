@@ -29,7 +29,7 @@ def _run(rank: int, world: int, root: str, phase: str, params: str = "none") -> 
     from lightning_v17.callbacks import AsyncCheckpoint
 
     from lightning_v17 import OffloadPolicy, V17Strategy
-    from lightning_v17.engine.offload.optimizer import offload_of
+    from lightning_v17.engine.offload.handles import offload_of
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)

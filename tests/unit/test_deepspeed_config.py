@@ -140,15 +140,6 @@ def test_strategy_bad_inputs_name_the_option() -> None:
         V17Strategy(zero_stage=2, offload=OffloadPolicy(params="cpu"))
 
 
-def test_registry_aliases() -> None:
-    import lightning as L
-    import lightning_v17.strategies  # noqa: F401
-
-    for name, stage in (("v17", 3), ("v17_zero1", 1), ("v17_zero2", 2), ("v17_zero3", 3)):
-        t = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-        assert type(t.strategy).__name__ == "V17Strategy" and t.strategy.zero_stage == stage
-
-
 # ----------------------------------------------------------------------------------------------- recompute (1 process)
 class _Block(nn.Module):
     def __init__(self) -> None:

@@ -118,6 +118,17 @@ def test_one_folder_per_axis():
     assert not (PKG / "config.py").exists() and not (ENGINE / "trackers").exists()
 
 
+def test_precision_holds_clipping_the_loss_scaler_and_the_dtypes():
+    assert sorted(p.stem for p in (ENGINE / "precision").glob("*.py")) == ["__init__", "clip", "dtypes", "loss_scale"]
+
+
+def test_no_product_file_past_600_lines():
+    """The house style's file size (one concern per file, about 150-600 lines)."""
+    files = [*PKG.rglob("*.py"), *(PKG.parent / "strategies").rglob("*.py"), *(PKG.parent / "callbacks").rglob("*.py")]
+    long = {str(p.relative_to(PKG.parent)): n for p in files if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"split these files (one concern each): {long}"
+
+
 def test_no_import_cycle_in_the_package():
     cycles = _cycles(_graph())
     assert not cycles, f"import cycles (imports inside functions included): {cycles}"

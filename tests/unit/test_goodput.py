@@ -1,6 +1,6 @@
 """GoodputTracker on a synthetic timeline: injected failures every N steps (on average), a known checkpoint cost and
 restart time; the measured goodput is within 10% of the Young/Daly prediction for the same MTBF and checkpoint cost
-(printed). The real-run counterpart is ``bench/goodput.py`` (``tests/dist/test_goodput_restart.py``)."""
+(printed). The real-run counterpart is ``bench/goodput.py`` (``tests/integration/test_goodput_restart.py``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_v17.config import Tier
-from lightning_v17.engine.offload.optimizer import attach_offload, materialized, offload_of
+from lightning_v17.engine.offload.handles import attach_offload, materialized, offload_of
 from tests.dist.test_zero_parity import loss_fn, make_data, make_model
 
 STEPS, BATCH = 5, 8

@@ -1,8 +1,9 @@
-"""Offload tiers (ZeRO-Offload, ZeRO-Infinity): the optimizer tier (``optimizer``), the parameter tier (``params``,
-``param_store``), host memory that is page-locked or recycled (``host_memory``) and the nvme file I/O (``nvme``: a
-thread pool; ``aio``: DeepSpeed's libaio op)."""
+"""Offload tiers (ZeRO-Offload, ZeRO-Infinity): the optimizer tier (``optimizer``, reached from its optimizer
+through ``handles``), the parameter tier (``params``, ``param_store``), host memory that is page-locked or recycled
+(``host_memory``) and the nvme file I/O (``nvme``: a thread pool; ``aio``: DeepSpeed's libaio op)."""
 
 from lightning_v17.engine.offload.aio import AioIO, aio_backend_or_reason, prebuild
+from lightning_v17.engine.offload.handles import attach_offload, materialized, offload_of
 from lightning_v17.engine.offload.host_memory import (
     HEAP_MMAP_THRESHOLD,
     AfterWrite,
@@ -23,13 +24,7 @@ from lightning_v17.engine.offload.nvme import (
     host_buffer,
     submit_io,
 )
-from lightning_v17.engine.offload.optimizer import (
-    OptimizerOffload,
-    attach_offload,
-    materialized,
-    offload_of,
-    planned_state_bytes,
-)
+from lightning_v17.engine.offload.optimizer import OptimizerOffload, planned_state_bytes
 from lightning_v17.engine.offload.param_store import SLOT_ALIGN, ReleasedShard
 from lightning_v17.engine.offload.params import ParamOffload
 from lightning_v17.engine.offload.tier_io import TierIO, open_io

@@ -1,12 +1,12 @@
 """Optimizer offload (ZeRO-Offload, Ren 2021 §4; ZeRO-Infinity, Rajbhandari 2021 §5): the optimizer state lives on
 the cpu or nvme tier and the step runs chunk by chunk, around the user's own optimizer.
 
-:func:`attach_offload` wraps any ``torch.optim.Optimizer`` *in place* (the object, its class, param groups and LR
+``attach_offload`` (:mod:`lightning_v17.engine.offload.handles`) wraps any ``torch.optim.Optimizer`` *in place* (the object, its class, param groups and LR
 schedulers stay; only the instance's ``step`` is replaced, as the ZeRO engine replaces ``zero_grad``), after the
 ZeRO backend has partitioned it. So it composes with every ZeRO stage without knowing it: at stages 1-2 the
 optimizer's parameters are this rank's row shards (or owned whole parameters) of
 :class:`~lightning_v17.engine.zero.stages_0_2.ZeroEngine`; at stage 3 they are FSDP2's DTensor shards, which the library
-optimizers step on their local tensors (:mod:`lightning_v17.optim.local_shards`).
+optimizers step on their local tensors (:mod:`lightning_v17.optim.local_step`).
 
 The step, for chunks of the optimizer's parameters (in param-group order, up to ``chunk_mb`` of this rank's fp32
 parameter elements each, a larger parameter alone):
@@ -107,7 +107,7 @@ from lightning_v17.engine.offload.host_memory import (
     trim_heap,
 )
 
-__all__ = ["OptimizerOffload", "attach_offload", "materialized", "offload_of", "own_mappings", "planned_state_bytes"]
+__all__ = ["OptimizerOffload", "own_mappings", "planned_state_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -592,50 +592,3 @@ def _log_backend_once(backend: str, reason: str) -> None:
     if backend not in _LOGGED:
         _LOGGED.add(backend)
         log.info("offload nvme tier: I/O backend %r (%s)", backend, reason)
-
-
-def attach_offload(
-    optimizer: Any,
-    *,
-    tier: Tier | str,
-    nvme_path: str | None = None,
-    ratio: float = 1.0,
-    rank: int = 0,
-    chunk_mb: float = 4.0,
-    buffer_count: int = 2,
-    params: Any = None,
-    host_memory: HostMemory | str | None = None,
-) -> OptimizerOffload:
-    """Put ``optimizer``'s state on ``tier`` (see :class:`OptimizerOffload`); a ``LightningOptimizer`` is unwrapped.
-
-    Raises:
-        V17ConfigError: an unusable ``nvme_path`` (missing, unwritable, too little free space), a bad ratio, or
-            parameters on an accelerator.
-    """
-    opt = getattr(optimizer, "_optimizer", optimizer)
-    existing = getattr(opt, "_v17_offload", None)
-    if existing is not None and not existing.closed:
-        return existing
-    return OptimizerOffload(
-        opt, tier=Tier.parse(tier, "offload_optimizer"), nvme_path=nvme_path, ratio=ratio, rank=rank,
-        chunk_mb=chunk_mb, buffer_count=buffer_count, params=params, host_memory=host_memory,
-    )  # fmt: skip
-
-
-def offload_of(optimizer: Any) -> OptimizerOffload | None:
-    """The live :class:`OptimizerOffload` of ``optimizer`` (a ``LightningOptimizer`` is unwrapped), else None."""
-    opt = getattr(optimizer, "_optimizer", optimizer)
-    off = getattr(opt, "_v17_offload", None)
-    return off if off is not None and not off.closed else None
-
-
-@contextmanager
-def materialized(optimizer: Any) -> Generator[None, None, None]:
-    """:meth:`OptimizerOffload.materialized` for ``optimizer``; nothing to do without offload. After teardown it raises
-    if the optimizer's state was on nvme files (removed then) rather than handing out an empty state."""
-    off = getattr(getattr(optimizer, "_optimizer", optimizer), "_v17_offload", None)
-    if off is None:
-        yield
-        return
-    with off.materialized():
-        yield

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lightning_v17.config import V17ConfigError
-from lightning_v17.engine.offload import optimizer as offload_engine
+from lightning_v17.engine.offload import handles as offload_engine
 from lightning_v17.engine.zero import fsdp as fsdp_engine
 from lightning_v17.engine.zero.stages_0_2 import ZeroEngine
 
@@ -142,7 +142,7 @@ class ZeroBackend:
         optimizers) steps the local shards. With an ``offload`` policy whose optimizer tier is "cpu"/"nvme", each
         (partitioned) optimizer then steps through that tier (:mod:`lightning_v17.engine.offload.optimizer`). Otherwise a user's
         own elementwise ``torch.optim`` optimizer (AdamW, Adam, SGD, ...) steps DTensor parameters (stage 3, TP) on
-        their local shards (:func:`~lightning_v17.optim.local_shards.enable_local_step`): bitwise the same update
+        their local shards (:func:`~lightning_v17.optim.local_step.enable_local_step`): bitwise the same update
         without DTensor dispatch per op.
 
         Raises:
@@ -164,7 +164,7 @@ class ZeroBackend:
 
             from lightning_v17.config import HostMemory
             from lightning_v17.engine.collectives import map_all_gathers, map_gradient_buffers
-            from lightning_v17.engine.offload.optimizer import attach_offload
+            from lightning_v17.engine.offload.handles import attach_offload
 
             rank = dist.get_rank() if dist.is_initialized() else 0
             host_memory = offload.host_memory or HostMemory.RECYCLE
@@ -181,7 +181,7 @@ class ZeroBackend:
                                host_memory=host_memory)
                 for opt in optimizers
             ]  # fmt: skip
-        from lightning_v17.optim.local_shards import enable_local_step
+        from lightning_v17.optim.local_step import enable_local_step
 
         for opt in optimizers:
             if offload_engine.offload_of(opt) is None and opt not in owner_steps:  # those step plain tensors already
@@ -192,7 +192,7 @@ class ZeroBackend:
         the owner steps (their owners balanced over all of them) and the local-shard steps; returns the optimizers
         that step on owner ranks."""
         from lightning_v17.engine.zero.owner_step import StepPlan, attach_owner_steps, plan_step
-        from lightning_v17.optim.local_shards import step_on_local_shards
+        from lightning_v17.optim.local_step import step_on_local_shards
 
         plans = [plan_step(o, partition=self.partition) for o in optimizers]
         owners = [o for o, plan in zip(optimizers, plans) if plan == StepPlan.OWNER]

@@ -1,7 +1,7 @@
 """The ZeRO-0/1/2 partition layout (part of :mod:`lightning_v17.engine.zero.stages_0_2`, which re-exports it): which dim-0
 rows of each parameter a rank owns and the per-parameter and per-bucket bookkeeping. Which optimizers may step a
 dim-0 slice (elementwise ones) or need whole parameters, the optimizer library answers
-(:func:`lightning_v17.optim.local_shards.is_elementwise_optimizer`, re-exported here).
+(:func:`lightning_v17.optim.local_step.is_elementwise_optimizer`, re-exported here).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_v17.engine._dtensor import local_tensor as _local
-from lightning_v17.optim.local_shards import is_elementwise_optimizer
+from lightning_v17.optim.local_step import is_elementwise_optimizer
 
 __all__ = ["PARTITIONS", "ShardParameter", "chunk_rows", "is_elementwise_optimizer", "shard_view"]
 

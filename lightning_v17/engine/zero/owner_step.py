@@ -2,7 +2,7 @@
 
 Why: at ZeRO-3 the optimizer holds FSDP2's dim-0 shards (DTensor ``Shard(0)`` over ``dp_shard``). An elementwise
 update (SGD, Adam/AdamW, Lion) of a shard is the shard of the update, so those step the shards
-(:mod:`lightning_v17.optim.local_shards`). Others do not:
+(:mod:`lightning_v17.optim.local_step`). Others do not:
 
 * ``torch.optim.Adafactor`` factors a matrix's second moment into row and column means and scales its step by the
   parameter's RMS and the update's RMS (Shazeer & Stern 2018, Alg. 4, §5-§6). On DTensors torch 2.13 fails
@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_v17.config import V17ConfigError
 from lightning_v17.engine.zero.layout import chunk_rows
 from lightning_v17.optim.factory import bitsandbytes_optimizer_base
-from lightning_v17.optim.local_shards import is_torch_elementwise, local_grad, replace_step
+from lightning_v17.optim.local_step import is_torch_elementwise, local_grad, replace_step
 
 __all__ = ["OwnerStep", "StepPlan", "attach_owner_steps", "owner_step_of", "plan_step"]
 
@@ -69,7 +69,7 @@ class StepPlan(Enum):
     """How an optimizer steps FSDP2's DTensor shards at ZeRO-3 (:func:`plan_step`)."""
 
     #: it steps the DTensors itself: our library's classes, torch's DTensor dispatch (and the faster local step of
-    #: :func:`~lightning_v17.optim.local_shards.enable_local_step` for torch's elementwise classes)
+    #: :func:`~lightning_v17.optim.local_step.enable_local_step` for torch's elementwise classes)
     AS_IS = "as_is"
     #: elementwise, but cannot take DTensors: its own step over the local tensors (``step_on_local_shards``)
     LOCAL_SHARDS = "local_shards"

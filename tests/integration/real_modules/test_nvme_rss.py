@@ -98,7 +98,7 @@ def _module(measure: bool):
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := the current RSS
             self.start_kb = _status_kb("VmRSS")
-            from lightning_v17.engine.offload.optimizer import offload_of
+            from lightning_v17.engine.offload.handles import offload_of
 
             off = offload_of(self.trainer.optimizers[0])
             if off is not None:  # count the pool's buffers after every take (inside the step, not only between)
@@ -114,7 +114,7 @@ def _module(measure: bool):
                 self.buffer_count = off.depth + 1
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-            from lightning_v17.engine.offload.optimizer import offload_of
+            from lightning_v17.engine.offload.handles import offload_of
 
             off = offload_of(self.trainer.optimizers[0])
             if off is not None:

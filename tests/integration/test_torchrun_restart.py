@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 def run_job(
     root: Path, *, kill_at: int = 0, max_restarts: int = 0, timeout: float = 240, extra: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    """One ``torchrun --standalone --nproc-per-node 2`` launch of ``tests/dist/_torchrun_job.py`` into ``root``; on
+    """One ``torchrun --standalone --nproc-per-node 2`` launch of ``tests/integration/_torchrun_job.py`` into ``root``; on
     timeout the whole process group (agent and workers) is killed and the result has returncode -9."""
     root.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(max_restarts), "-m", "tests.dist._torchrun_job", str(root)]  # fmt: skip
+           "--max-restarts", str(max_restarts), "-m", "tests.integration._torchrun_job", str(root)]  # fmt: skip
     if kill_at:
         cmd += ["--kill-at", str(kill_at)]
     cmd += list(extra)
@@ -112,7 +112,7 @@ def test_a_rank_that_raises_ends_its_peer_within_seconds_with_its_error(tmp_path
         log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.dist._torchrun_job", str(tmp_path),
+            [sys.executable, "-m", "tests.integration._torchrun_job", str(tmp_path),
              *(["--raise-at", "6"] if where == "forward" else ["--pp-raise-at", "3"])], cwd=REPO,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
         ))  # fmt: skip

@@ -1,4 +1,4 @@
-"""An elastic V17Strategy(zero_stage=3) job for the agent-kill scenario (``tests/dist/test_elastic_agents.py``,
+"""An elastic V17Strategy(zero_stage=3) job for the agent-kill scenario (``tests/integration/test_elastic_agents.py``,
 ``bench/fault.py --scenario agent-kill``): one worker per torchrun agent, the agents standing for nodes
 (``torchrun --nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d ...``), so the world size is whatever the rendezvous
 round gives (2, then 1 after a node died, then 2 when a new one joined).

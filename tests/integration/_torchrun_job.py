@@ -1,6 +1,6 @@
-"""A V17Strategy(zero_stage=3) job for the torchrun restart checks (``tests/dist/test_torchrun_restart.py`` and
+"""A V17Strategy(zero_stage=3) job for the torchrun restart checks (``tests/integration/test_torchrun_restart.py`` and
 ``bench/fault.py``). Launched as ``torchrun --standalone --nproc-per-node 2 [--max-restarts 1] -m
-tests.dist._torchrun_job ROOT [--kill-at K]``.
+tests.integration._torchrun_job ROOT [--kill-at K]``.
 
 Async sharded checkpoints every 4 steps (an epoch: 16 samples per rank, batch 4) and ``ckpt_path="last"`` on every
 start. With ``--kill-at K``, rank 1 of the first attempt hard-exits (``os._exit(1)``, no cleanup) after step K; the
@@ -112,7 +112,7 @@ def _pipeline_job(root: Path, raise_at: int, attempt: int) -> None:
     from lightning_v17 import PipelinePolicy, V17Strategy
     from lightning_v17.data import PackedDataModule
     from lightning_v17.models.lightning import next_token_loss
-    from tests.dist._torchrun_elastic_job import SEQ, documents, make_module
+    from tests.integration._torchrun_elastic_job import SEQ, documents, make_module
 
     torch.set_num_threads(1)
     module = make_module()

@@ -2,7 +2,7 @@
 checkpoint, then grows back to 2 when a new agent joins, and finishes the epoch (issue "fault tolerance" acceptance).
 
 Two agents on localhost stand for two nodes: ``torchrun --nnodes=1:2 --nproc-per-node=1 --rdzv-backend=c10d`` (the
-first hosts the rendezvous store, ``is_host=1``). The job is ``tests/dist/_torchrun_elastic_job.py`` (V17 ZeRO-3, the
+first hosts the rendezvous store, ``is_host=1``). The job is ``tests/integration/_torchrun_elastic_job.py`` (V17 ZeRO-3, the
 tiny Llama, async checkpoints every 2 steps, one epoch of 48 samples). The harness SIGKILLs the second agent and
 its worker (a node dying) after its worker's step ``kill_at``; once the survivor has trained a
 few steps alone and published a checkpoint, a third agent joins. The agents run with
@@ -55,7 +55,7 @@ def launch_agent(root: Path, port: int, run_id: str, *, name: str, host: bool) -
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
            f"--rdzv-conf={RDZV_CONF},is_host={int(host)}", "--local-addr=127.0.0.1", "--max-restarts=3",
-           "--monitor-interval=0.1", "-m", "tests.dist._torchrun_elastic_job", str(root)]  # fmt: skip
+           "--monitor-interval=0.1", "-m", "tests.integration._torchrun_elastic_job", str(root)]  # fmt: skip
     # Growing needs the agents' store sharing off (torch 2.13): with it, the rank-0 agent publishes its store's address
     # only in the first round it is rank 0 (DynamicRendezvousHandler.next_rendezvous caches _bootstrap_store_info), so
     # a node joining later waits 60 s for MASTER_ADDR in the new round's keys and fails ("wait timeout after 60000ms,
@@ -170,7 +170,7 @@ def replay(kept: dict[int, dict[int, dict]]) -> list[dict]:
     import torch
 
     from lightning_v17.data.packing import collate_rows
-    from tests.dist._torchrun_elastic_job import make_data, make_module
+    from tests.integration._torchrun_elastic_job import make_data, make_module
 
     torch.set_num_threads(1)
     dm = make_data()
@@ -241,7 +241,7 @@ def timeline(events: list[dict], kill_t: float, join_t: float | None, survivor_l
 
 def check(out: dict) -> dict:
     """The acceptance checks on one scenario's result; returns the figures (raises AssertionError on a failure)."""
-    from tests.dist._torchrun_elastic_job import DOCS
+    from tests.integration._torchrun_elastic_job import DOCS
 
     tail = "\n".join(f"--- agent {n}\n{log}" for n, log in out["logs"].items())
     assert out["error"] is None and out["rc"]["a"] == 0 and out["rc"]["c"] == 0, (out["error"], out["rc"], tail)
