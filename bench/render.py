@@ -168,6 +168,29 @@ def _pipeline(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     return lines, [("bubble, planner's simulation / measured", bars, [])]
 
 
+def _moe(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    g, ep, disp = report.get("grouped", {}), report.get("ep", {}), report.get("dispatch", {})
+    ms = g.get("ms_fwd_bwd", {})
+    lines = [(f"{g.get('experts')} experts, top-{g.get('top_k')}, {_num(g.get('tokens'))} tokens, hidden "
+              f"{g.get('hidden')}, expert width {g.get('expert_ffn')}, forward + backward."), ""]
+    lines += _table(["experts", "ms", "loop / grouped"],
+                    [["Hugging Face's eager per-expert loop (`MixtralExperts`)", ms.get("hf_eager_loop"), "-"],
+                     ["grouped GEMM (`GroupedExperts`)", ms.get("grouped"), g.get("loop/grouped")]])  # fmt: skip
+    runs = [("ep=1", ep.get("ep1", {})), ("ep=2, all-to-all", ep.get("ep2", {})),
+            ("ep=2, all-gather", disp.get("allgather", {}))]  # fmt: skip
+    lines += ["", f"The MoE Llama on {report.get('world_size')} gloo ranks, ZeRO-1, the same global batch.", ""]
+    lines += _table(["run", "tokens/s", "peak RSS MB (rank 0)", "expert bytes per rank"],
+                    [[k, r.get("tokens_per_s"), (r.get("peak_rss_mb") or [None])[0],
+                      (r.get("expert_bytes_per_rank") or [None])[0]] for k, r in runs])  # fmt: skip
+    hf = report.get("hf", {})
+    lines += ["", f"Hugging Face's own expert parallelism: {'ran' if hf.get('ran') else 'not run'}"
+              + (f" ({hf.get('reason')})" if hf.get("reason") else "") + "."]
+    bars = [("grouped / HF eager loop (speed)", g.get("loop/grouped")),
+            ("ep2 / ep1 tokens/s", ep.get("ep2/ep1_tokens_per_s")),
+            ("all-to-all / all-gather tokens/s", disp.get("alltoall/allgather_tokens_per_s"))]
+    return lines, [("MoE, ours / anchor", [(k, v) for k, v in bars if isinstance(v, (int, float))], [])]
+
+
 def _generic(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
     lines = _table(["ratio", "value"], [[f"`{k}`", v] for k, v in ratios.items()]) if ratios else []
@@ -182,6 +205,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Report], tuple[list[str], list[tuple[s
     "checkpoint": ("Checkpoint blocking: asynchronous staging against raw DCP and a plain copy", _checkpoint),
     "packing": ("Packed against padded batches, the same documents", _packing),
     "activations": ("Saved activations against the planner", _activations),
+    "moe": ("Mixture of experts: grouped experts, expert parallelism and the two dispatchers", _moe),
 }
 
 

@@ -20,7 +20,8 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str) -> DeviceMesh:
 
     Size-1 axes are kept so that every axis name can always be looked up (``mesh["tp"]`` works with tp=1).
     The flattened ``"dp"`` axis (dp_replicate × dp_shard) is created too, for data loading and loss reduction,
-    and ``"dp_shard_cp"`` for FSDP when cp > 1 (torchtitan's convention).
+    and ``"dp_shard_cp"`` for FSDP when cp > 1 (torchtitan's convention); with ep > 1 the experts' ``"ep"`` and
+    ``"edp"`` axes (:func:`_expert_meshes`).
 
     Args:
         spec: the validated mesh sizes; their product must equal the initialized world size.
@@ -45,7 +46,22 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str) -> DeviceMesh:
         "dp": mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten("dp"),
         "dp_shard_cp": mesh[(Axis.DP_SHARD.value, Axis.CP.value)]._flatten("dp_shard_cp"),
     }
+    if spec.ep > 1:
+        mesh._v17_flat.update(_expert_meshes(spec, device_type))  # type: ignore[attr-defined]
     return mesh
+
+
+def _expert_meshes(spec: MeshSpec, device_type: str) -> dict[str, DeviceMesh]:
+    """The sparse mesh of expert parallelism: ``dp_shard`` unflattened into (``efsdp``, ``ep``), ep innermost (the
+    same rank order as the dense mesh, so an ep group is ``ep`` consecutive dp_shard ranks); its ``ep`` axis and the
+    flattened expert-data-parallel axis ``edp`` (``dp_replicate`` x ``efsdp``: the ranks that hold the same
+    experts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (spec.pp, spec.dp_replicate, spec.efsdp, spec.ep, spec.cp, spec.tp)
+    names = ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
+    sparse = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return {"ep": sparse["ep"], "edp": sparse[("dp_replicate", "efsdp")]._flatten("edp"), "sparse": sparse}
 
 
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

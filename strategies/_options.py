@@ -111,16 +111,25 @@ def build_fp8_policy(fp8: Any) -> FP8Policy | None:
     return policy
 
 
-def check_axes(*, pp: int, dp_replicate: int, dp_shard: int | str, cp: int, tp: int) -> dict[str, Any]:
+def check_axes(*, pp: int, dp_replicate: int, dp_shard: int | str, cp: int, tp: int, ep: int = 1) -> dict[str, Any]:
     """Validate the fixed axis sizes now (a typo fails at construction, not after launch); the axes as a dict.
 
     Raises:
-        V17ConfigError: a size that is not a positive integer, cp != 1, or a bad ``dp_shard``.
+        V17ConfigError: a size that is not a positive integer, cp != 1, a bad ``dp_shard``, or an ``ep`` that a
+            given ``dp_shard`` is not a multiple of.
     """
     MeshSpec(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)
     if not (dp_shard in ("auto", -1) or (isinstance(dp_shard, int) and dp_shard >= 1)):
         raise V17ConfigError(f"dp_shard={dp_shard!r} must be a positive integer or 'auto'")
-    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+    MeshSpec(dp_shard=dp_shard if isinstance(dp_shard, int) and dp_shard >= 1 else ep, ep=ep)
+    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
+
+
+def check_hang_timeout(hang_timeout: float | None) -> float | None:
+    """``hang_timeout`` as given, once checked: a positive number of seconds, or None (no watchdog)."""
+    if hang_timeout is not None and not hang_timeout > 0:
+        raise V17ConfigError(f"hang_timeout={hang_timeout!r} must be a positive number of seconds, or None (off)")
+    return hang_timeout
 
 
 def _changed(policy: Any, cls: type) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from lightning_v17.strategies._options import (
     build_policy,
     check_axes,
     check_batch_keys,
+    check_hang_timeout,
     warn_checkpoint_io,
 )
 from torch import Tensor
@@ -50,6 +51,7 @@ from lightning_v17.config import (
     V17ConfigError,
     ZeroPolicy,
 )
+from lightning_v17.engine.ep import balanced_layers, step_expert_biases
 from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize
 from lightning_v17.engine.precision import mixed_precision_dtypes
 from lightning_v17.engine.zero import fsdp as fsdp_engine
@@ -87,6 +89,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         tp: tensor-parallel size (innermost mesh axis); its options are ``tensor_parallel``.
         pp: pipeline-parallel stages (outermost mesh axis); its options are ``pipeline``; ZeRO stage 0/1 only.
         cp: context-parallel size (reserved; must be 1).
+        ep: expert-parallel size, folded out of ``dp_shard`` (:class:`~lightning_v17.config.MeshSpec`; ``engine/ep/``).
         zero: :class:`~lightning_v17.config.ZeroPolicy`; None: the config's section, with ``zero_stage`` if given.
         offload: :class:`~lightning_v17.config.OffloadPolicy` (cpu and nvme tiers); None: the config's, else none.
         pipeline: :class:`~lightning_v17.config.PipelinePolicy` (schedule, micro-batches, chunks, split points).
@@ -109,6 +112,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         zero: ZeroPolicy | None = None,
         offload: OffloadPolicy | None = None,
         pipeline: PipelinePolicy | None = None,
@@ -121,18 +125,15 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     ) -> None:
         super().__init__()  # accelerator, devices, cluster environment, checkpoint IO, precision: set by the Trainer
         self.policy = build_policy(dict(locals()))
-        self._axes = check_axes(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
-        check_composition(self.policy, pp=pp, tp=tp)  # every rule of config_rules, once
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        if hang_timeout is not None and not hang_timeout > 0:
-            raise V17ConfigError(f"hang_timeout={hang_timeout!r} must be a positive number of seconds, or None (off)")
-        self._hang_timeout = hang_timeout
+        self._axes = check_axes(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+        check_composition(self.policy, pp=pp, tp=tp, ep=ep)  # every rule of config_rules, once
+        self._process_group_backend, self._timeout = process_group_backend, timeout
+        self._hang_timeout = check_hang_timeout(hang_timeout)
         self._watchdog: StepWatchdog | None = None
         self._mesh: MeshRuntime | UnsetMesh = UnsetMesh()
-        self._parallel: Parallelized | None = None
-        self._batch_checked = False
-        self.num_nodes = 1
+        self._parallel: Parallelized | None = None  # what parallelize did, after setup
+        self._balanced: list[Module] = []  # MoE layers with an aux-loss-free expert bias
+        self._batch_checked, self.num_nodes = False, 1
 
     @classmethod
     @override
@@ -298,6 +299,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
             loss_fn=loss_fn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             steps_inside_forward=not getattr(model, "automatic_optimization", True),
         )  # fmt: skip
+        self._balanced = balanced_layers(model)
         return model
 
     @override
@@ -417,6 +419,8 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
             self.zero.after_optimizer_step(optimizer)  # stages 1/2: make this optimizer's parameters whole again
             if self._parallel is not None and self._parallel.fp8 is not None:
                 self._parallel.fp8.after_optimizer_step()  # float8 scales: all-gathered weights', delayed histories
+            if self._balanced:  # MoE: the aux-loss-free expert bias, from the step's load over every data rank
+                step_expert_biases(self._balanced, group=self.mesh.group("dp"))
         return out
 
     @contextmanager

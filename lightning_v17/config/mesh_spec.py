@@ -30,6 +30,10 @@ class MeshSpec:
         dp_shard: sharded data-parallel group size (ZeRO/FSDP partitions over this axis).
         cp: context-parallel size (reserved; must be 1 today).
         tp: tensor-parallel size (innermost axis).
+        ep: expert-parallel size: MoE layers' experts are sharded over ``ep`` ranks, folded out of ``dp_shard``
+            (torchtitan's sparse mesh, Megatron-core's parallel folding): ``dp_shard = efsdp x ep`` with ``ep``
+            innermost, each ep rank trains on its own batch, and the experts' replicas are the ``edp =
+            dp_replicate x efsdp`` ranks. Not a factor of the world size. ``ep`` must divide ``dp_shard``.
     """
 
     pp: int = 1
@@ -37,12 +41,28 @@ class MeshSpec:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_positive_int(f.name, getattr(self, f.name))
         if self.cp != 1:
             raise V17ConfigError(f"cp={self.cp} is not implemented yet; set cp=1 (context parallelism is planned)")
+        if self.dp_shard % self.ep:
+            raise V17ConfigError(
+                f"ep={self.ep} is folded out of the dp_shard={self.dp_shard} data-parallel ranks and must divide it; "
+                f"choose ep in {divisors(self.dp_shard)} or raise dp_shard"
+            )
+
+    @property
+    def efsdp(self) -> int:
+        """The experts' ZeRO group: the ``dp_shard`` ranks that hold the same experts (``dp_shard / ep``)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def edp(self) -> int:
+        """The ranks that hold the same experts, over which their gradients are reduced (``dp_replicate x efsdp``)."""
+        return self.dp_replicate * self.efsdp
 
     @property
     def world_size(self) -> int:
@@ -74,6 +94,7 @@ class MeshSpec:
         dp_shard: int | str = "auto",
         cp: int = 1,
         tp: int = 1,
+        ep: int = 1,
     ) -> MeshSpec:
         """Resolve ``dp_shard="auto"`` (or -1) from the world size and check that the product matches.
 
@@ -93,7 +114,7 @@ class MeshSpec:
                     f"change devices/num_nodes or the axis sizes so that they divide it"
                 )
             dp_shard = world_size // others
-        spec = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=int(dp_shard), cp=cp, tp=tp)
+        spec = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=int(dp_shard), cp=cp, tp=tp, ep=ep)
         if spec.world_size != world_size:
             raise V17ConfigError(
                 f"mesh pp={pp} x dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cp} x tp={tp} = "

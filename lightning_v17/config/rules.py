@@ -27,11 +27,13 @@ class Layout:
         policy: the :class:`~lightning_v17.config.TrainingPolicy`.
         pp: pipeline stages.
         tp: tensor-parallel size.
+        ep: expert-parallel size (folded out of dp_shard).
     """
 
     policy: Any
     pp: int = 1
     tp: int = 1
+    ep: int = 1
 
     @property
     def stage(self) -> int:
@@ -179,6 +181,33 @@ RULES: tuple[Rule, ...] = (
         fix="use loss_parallel with pp=1, or drop it",
         example={"tp": 2, "pp": 2, "zero_stage": 1, "tensor_parallel": {"loss_parallel": True}},
     ),
+    *(
+        Rule(
+            name=f"ep_without_{axis}",
+            options=("ep", axis),
+            violated=(lambda lay, axis=axis: lay.ep > 1 and getattr(lay, axis) > 1),
+            message=(lambda lay, axis=axis, what=what: (
+                f"ep={lay.ep} with {axis}={getattr(lay, axis)} is not implemented yet (the experts are sharded "
+                f"over ep inside the data-parallel ranks; {what})"
+            )),
+            fix=f"use ep with {axis}=1, or ep=1",
+            example={"ep": 2, axis: 2, "zero_stage": 1},
+        )
+        for axis, what in (("pp", "MoE blocks inside pipeline stages are planned"),
+                           ("tp", "attention tensor-parallel beside expert-parallel experts is planned"))
+    ),
+    Rule(
+        name="ep_without_offload",
+        options=("ep", "offload"),
+        violated=lambda lay: lay.ep > 1 and (_tier(lay, "optimizer"), _tier(lay, "params")) != ("none", "none"),
+        message=lambda lay: (
+            f"ep={lay.ep} with an offload tier (optimizer={_tier(lay, 'optimizer')!r}, params="
+            f"{_tier(lay, 'params')!r}) is not implemented yet: the sharded experts are outside the offloaded "
+            "ZeRO partition"
+        ),
+        fix="use ep with offload=None, or ep=1",
+        example={"ep": 2, "zero_stage": 2, "offload": {"optimizer": "cpu"}},
+    ),
 )
 
 
@@ -187,12 +216,12 @@ def violations(layout: Layout) -> list[tuple[Rule, str]]:
     return [(rule, rule.text(layout)) for rule in RULES if rule.violated(layout)]
 
 
-def check(policy: Any, *, pp: int = 1, tp: int = 1) -> None:
+def check(policy: Any, *, pp: int = 1, tp: int = 1, ep: int = 1) -> None:
     """Raise for the first rule the policy and axis sizes violate.
 
     Raises:
         V17ConfigError: the rule's message and fix, naming the options.
     """
-    found = violations(Layout(policy, pp=pp, tp=tp))
+    found = violations(Layout(policy, pp=pp, tp=tp, ep=ep))
     if found:
         raise V17ConfigError(found[0][1])

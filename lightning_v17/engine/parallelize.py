@@ -41,6 +41,7 @@ from torch import nn
 from lightning_v17.config import FP8Recipe, Recompute, Tier, TrainingPolicy, V17ConfigError
 from lightning_v17.config.rules import check as check_rules
 from lightning_v17.engine._dtensor import local as _local
+from lightning_v17.engine.ep.apply import ExpertParallel, apply_expert_parallel, is_expert_param
 from lightning_v17.engine.fp8.convert import FP8Runtime, apply_fp8, float8_tp_plan
 from lightning_v17.engine.recompute import apply_activation_checkpointing
 from lightning_v17.engine.zero import fsdp as fsdp_engine
@@ -66,6 +67,7 @@ class Parallelized:
         fp8_layers: FQNs of the Linears converted to float8 (empty without ``policy.fp8``).
         fp8: the FP8 runtime (``engine.fp8.FP8Runtime``: float8 all-gather scales after each optimizer step), or
             None without ``policy.fp8``.
+        ep: the expert parallelism applied with ep > 1 (``engine.ep.ExpertParallel``), else None.
     """
 
     module: nn.Module
@@ -75,16 +77,17 @@ class Parallelized:
     recompute: Recompute
     fp8_layers: tuple[str, ...] = ()
     fp8: FP8Runtime | None = None
+    ep: ExpertParallel | None = None
 
 
-def check_composition(policy: TrainingPolicy, *, pp: int, tp: int) -> None:
+def check_composition(policy: TrainingPolicy, *, pp: int, tp: int, ep: int = 1) -> None:
     """The combinations of options that cannot work, refused before any process touches the model: every rule of
     :mod:`lightning_v17.config.rules`, then the pipeline schedule's own limits.
 
     Raises:
         V17ConfigError: naming the option and the fix.
     """
-    check_rules(policy, pp=pp, tp=tp)
+    check_rules(policy, pp=pp, tp=tp, ep=ep)
     if pp > 1:
         from lightning_v17.config.schedules import schedule_info
 
@@ -194,7 +197,8 @@ def sync_replicas(module: nn.Module, *, mesh: MeshRuntime, backend: ZeroBackend)
     """Broadcast every parameter and buffer over the mesh axes it is replicated on, from the first rank of each.
 
     * ``dp_replicate`` (HSDP) at stage 3, the whole ``dp`` group at stages 0-2 (DDP's ``_sync_module_states``);
-    * ``tp`` for what TP leaves replicated (norms, unsharded embeddings, plain tensors outside the plan).
+    * ``tp`` for what TP leaves replicated (norms, unsharded embeddings, plain tensors outside the plan);
+    * ``edp`` for the experts sharded over ``ep`` (each ep rank holds other experts).
 
     Ranks that drew different random initial weights (a different seed per rank, or RNG streams that diverged
     before ``fit``) then hold one model; without it HSDP replicas would train apart for the whole run.
@@ -202,8 +206,12 @@ def sync_replicas(module: nn.Module, *, mesh: MeshRuntime, backend: ZeroBackend)
     axis is broadcast over.
     """
     tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    experts = [t for t in tensors if is_expert_param(t)]  # different on each ep rank: one copy per edp rank
+    tensors = [t for t in tensors if not is_expert_param(t)]
     dp_axis = "dp_replicate" if backend.shards_params else "dp"
     axes = [(dp_axis, tensors), ("tp", [t for t in tensors if not _tp_sharded(t)])]
+    if experts and mesh.spec.edp > 1:
+        axes.append(("edp", experts))
     for axis, group_tensors in axes:
         if mesh[axis].size() > 1 and group_tensors:
             # _broadcast_coalesced takes the source as a rank *within* the group (its first rank is 0 there).
@@ -258,10 +266,13 @@ def parallelize(
                 module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 steps_inside_forward=steps_inside_forward,
             )  # fmt: skip
+            if done.ep is not None:
+                done.ep.grad_sync.attach()
+                done.zero.expert_sync = done.ep.grad_sync
         _attach_param_offload(module, done.zero, policy)  # again after a teardown brought the shards back
         return done
     spec = mesh.spec
-    check_composition(policy, pp=spec.pp, tp=spec.tp)
+    check_composition(policy, pp=spec.pp, tp=spec.tp, ep=spec.ep)
     if spec.pp > 1 and pp_layout is None:
         raise V17ConfigError(
             f"pp={spec.pp} needs to know where to cut {type(module).__name__}: models shaped embedding -> blocks -> "
@@ -302,11 +313,17 @@ def parallelize(
         apply_tensor_parallel(
             module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.tensor_parallel.sequence_parallel
         )
+    ep = None
+    if spec.ep > 1:  # 3b. the MoE layers' experts over ep, all-to-all dispatch (engine/ep/)
+        ep = apply_expert_parallel(
+            module, ep_mesh=mesh["ep"], edp_group=mesh.group("edp") if spec.edp > 1 else None, dp=spec.dp
+        )
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model
         module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         steps_inside_forward=steps_inside_forward,
     )  # fmt: skip
+    backend.expert_sync = ep.grad_sync if ep is not None else None
     if fp8 is not None:
         fp8.init_state()  # delayed scaling: fresh histories (a materialized meta model's buffers are garbage)
     sync_replicas(module, mesh=mesh, backend=backend)  # 6. one model on every replica
@@ -325,7 +342,7 @@ def parallelize(
         )
     out = Parallelized(
         module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute, fp8_layers=fp8_layers,
-        fp8=fp8,
+        fp8=fp8, ep=ep,
     )
     module._v17_parallel = out  # type: ignore[assignment]
     return out

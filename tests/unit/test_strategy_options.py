@@ -42,7 +42,7 @@ def test_the_front_door_is_axes_policies_and_the_process_group():
     params = inspect.signature(V17Strategy.__init__).parameters
     names = [n for n in params if n != "self"]
     assert names == [
-        "zero_stage", "activation_checkpointing", "dp_replicate", "dp_shard", "tp", "pp", "cp", "zero", "offload",
+        "zero_stage", "activation_checkpointing", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero", "offload",
         "pipeline", "tensor_parallel", "fp8", "config", "process_group_backend", "timeout", "hang_timeout",
     ]  # fmt: skip
     assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params.values())

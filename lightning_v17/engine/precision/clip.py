@@ -67,8 +67,11 @@ def global_grad_norm(
     if tp_group is not None and any(f for _, f in plain) and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(parts[1:], group=tp_group)
     total = parts.sum()
-    if dtensors:
-        norm = torch.nn.utils.get_total_norm([g.detach() for g in dtensors], norm_type=2.0)
+    by_mesh: dict[int, list[torch.Tensor]] = {}  # FSDP2's (dp) and the experts' (ep) meshes: one norm per mesh
+    for g in dtensors:
+        by_mesh.setdefault(id(g.device_mesh), []).append(g.detach())
+    for same_mesh in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(same_mesh, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total += norm.to(torch.float64).pow(2)

@@ -69,6 +69,9 @@ class ZeroBackend:
         self.param_offload: Any = None
         #: backward runs under glibc's 1 MiB mmap threshold (:meth:`backward_context`)
         self.map_backward = False
+        #: the experts' gradient reduction under ep > 1 (:class:`~lightning_v17.engine.ep.ExpertGradSync`), set by
+        #: parallelize; it accumulates without communicating exactly when the dense part does
+        self.expert_sync: Any = None
 
     # ------------------------------------------------------------------ what is sharded
     @property
@@ -102,6 +105,22 @@ class ZeroBackend:
     def no_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally, without communication (DDP's ``no_sync``; FSDP2's
         ``set_requires_gradient_sync(False)``)."""
+        with self._experts_sync(False):
+            yield from self._no_sync()
+
+    @contextmanager
+    def _experts_sync(self, value: bool) -> Generator[None, None, None]:
+        sync = self.expert_sync
+        if sync is None:
+            yield
+            return
+        prev, sync.require_grad_sync = sync.require_grad_sync, value
+        try:
+            yield
+        finally:
+            sync.require_grad_sync = prev
+
+    def _no_sync(self) -> Generator[None, None, None]:
         if self.engine is not None:
             prev = self.engine.require_grad_sync
             self.engine.require_grad_sync = False
@@ -126,6 +145,8 @@ class ZeroBackend:
         if self.engine is None:
             raise RuntimeError("stage 3 synchronises per FSDP unit; use no_sync()")
         self.engine.require_grad_sync = value
+        if self.expert_sync is not None:
+            self.expert_sync.require_grad_sync = value
 
     def finish_grad_sync(self) -> None:
         """Reduce the gradients accumulated while ``require_grad_sync`` was False (stages 0-2)."""

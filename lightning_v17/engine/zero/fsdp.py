@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_v17.config import V17ConfigError
 from lightning_v17.engine._dtensor import local as _local
 from lightning_v17.engine.collectives import install_fsdp_comms, is_cpu_gloo
+from lightning_v17.engine.ep.apply import is_expert_param
 
 __all__ = [
     "after_optimizer_step",
@@ -151,6 +152,9 @@ def apply_fsdp(
         # CPU-only machine), and pinning buys nothing there: host and device are the same memory.
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy(),
     }
+    experts = {p for p in module.parameters() if is_expert_param(p)}
+    if experts:  # sharded over ep already, reduced by engine/ep: outside every FSDP2 group
+        kw["ignored_params"] = experts
     units = find_wrap_units(module, wrap_classes)
     # Parameter identities before sharding (fully_shard replaces each module's parameters with DTensor ones).
     in_units = {id(p) for u in units for p in u.parameters()}

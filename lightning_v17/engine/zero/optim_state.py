@@ -33,6 +33,7 @@ class ShardedOptimizerState:
     shard_group: Any
     shard_mesh: Any
     owner_mode: bool
+    expert_fqns: dict[int, str]
 
     @torch.no_grad()
     def _gather_piece(self, e: _Param, t: torch.Tensor) -> torch.Tensor:
@@ -67,13 +68,16 @@ class ShardedOptimizerState:
         i = 0
         for group in optimizer.param_groups:
             for p in group["params"]:
-                idx_to_fqn[i] = self.by_shard[id(p)].fqn
+                idx_to_fqn[i] = self.by_shard[id(p)].fqn if id(p) in self.by_shard else self.expert_fqns[id(p)]
                 i += 1
         by_fqn = {e.fqn: e for e in self.params}
         state: dict[str, Any] = {}
         for idx, st in sd["state"].items():
             fqn = idx_to_fqn[idx]
-            e = by_fqn[fqn]
+            e = by_fqn.get(fqn)
+            if e is None:  # an expert weight sharded over ep: its state is DTensors of that layout already
+                state[fqn] = dict(st)
+                continue
             if self.owner_mode:
                 # whole parameters, saved by their owner only (plain tensors, or the TP DTensor of a TP parameter);
                 # DCP reads them back into any layout (rows, FSDP2 shards, another owner). The other ranks' empty
@@ -136,7 +140,7 @@ class ShardedOptimizerState:
         for group in optimizer.param_groups:
             own_groups.append([])
             for p in group["params"]:
-                fqn_to_idx[self.by_shard[id(p)].fqn] = i
+                fqn_to_idx[self.by_shard[id(p)].fqn if id(p) in self.by_shard else self.expert_fqns[id(p)]] = i
                 own_groups[-1].append(i)
                 i += 1
         by_fqn = {e.fqn: e for e in self.params}
@@ -144,7 +148,10 @@ class ShardedOptimizerState:
         for fqn, st in osd["state"].items():
             if fqn not in fqn_to_idx:
                 continue  # another pipeline stage's parameter
-            e = by_fqn[fqn]
+            e = by_fqn.get(fqn)
+            if e is None:  # an expert weight sharded over ep: DTensor states, loaded as they are
+                state[fqn_to_idx[fqn]] = dict(st)
+                continue
             if self.owner_mode:
                 if e.owner == self.rank:  # whole-parameter states, already in the template's layout
                     state[fqn_to_idx[fqn]] = dict(st)

@@ -45,6 +45,7 @@ from torch import nn
 
 from lightning_v17.config import V17ConfigError
 from lightning_v17.engine.collectives import reduce_scatter
+from lightning_v17.engine.ep.apply import is_expert_param
 from lightning_v17.engine.zero.comm import gather_bucket, pack_grad, pack_rows
 from lightning_v17.engine.zero.fsdp import apply_fsdp
 from lightning_v17.engine.zero.layout import (
@@ -138,10 +139,15 @@ class ZeroEngine(ShardedOptimizerState):
 
         seen: set[int] = set()
         self.params: list[_Param] = []
+        #: id -> FQN of the expert weights sharded over ep (outside the partition, stepped as they are)
+        self.expert_fqns: dict[int, str] = {}
         for fqn, p in module.named_parameters():
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
+            if is_expert_param(p):
+                self.expert_fqns[id(p)] = fqn
+                continue
             r = _rows(p.detach())
             start, stop = chunk_rows(r.shape[0], self.world, self.rank)
             padded = -(-r.shape[0] // self.world) if r.shape[0] else 0
@@ -216,6 +222,9 @@ class ZeroEngine(ShardedOptimizerState):
             for p in group["params"]:
                 e = self.by_param.get(id(p))
                 if e is None:
+                    if id(p) in self.expert_fqns:
+                        new.append(p)  # an expert weight sharded over ep: its rank steps it whole (engine/ep)
+                        continue
                     if not p.requires_grad:
                         continue  # frozen: outside the partition, and no gradient will ever step it (module docstring)
                     raise V17ConfigError(
