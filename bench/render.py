@@ -178,16 +178,28 @@ def _moe(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
                      ["grouped GEMM (`GroupedExperts`)", ms.get("grouped"), g.get("loop/grouped")]])  # fmt: skip
     runs = [("ep=1", ep.get("ep1", {})), ("ep=2, all-to-all", ep.get("ep2", {})),
             ("ep=2, all-gather", disp.get("allgather", {}))]  # fmt: skip
-    lines += ["", f"The MoE Llama on {report.get('world_size')} gloo ranks, ZeRO-1, the same global batch.", ""]
-    lines += _table(["run", "tokens/s", "peak RSS MB (rank 0)", "expert bytes per rank"],
+    planned = ep.get("planned_expert_bytes_per_rank", {})
+    lines += ["", (f"The MoE Llama on {report.get('world_size')} gloo ranks, ZeRO-0, AdamW, the same global batch; "
+                   "expert bytes are parameters, gradients and optimizer state counted from tensor storage (at ep=1 "
+                   "the experts' gradients are views of reduction buckets shared with dense gradients, which the "
+                   "storage count sees whole)."), ""]
+    lines += _table(["run", "tokens/s", "peak RSS MB (rank 0)", "expert bytes per rank", "planner"],
                     [[k, r.get("tokens_per_s"), (r.get("peak_rss_mb") or [None])[0],
-                      (r.get("expert_bytes_per_rank") or [None])[0]] for k, r in runs])  # fmt: skip
+                      (r.get("expert_bytes_per_rank") or [None])[0], planned.get(p)]
+                     for (k, r), p in zip(runs, ("ep1", "ep2", "ep2"))])  # fmt: skip
     hf = report.get("hf", {})
-    lines += ["", f"Hugging Face's own expert parallelism: {'ran' if hf.get('ran') else 'not run'}"
-              + (f" ({hf.get('reason')})" if hf.get("reason") else "") + "."]
+    if hf.get("ran"):
+        lines += ["", ("Hugging Face's own expert-parallel training (`DistributedConfig(fsdp_size=2, ep_size=2)`) "
+                       "against ours (the same Mixtral adapted, ep=2, ZeRO-3), same weights and batches:"), ""]
+        lines += _table(["run", "tokens/s", "peak RSS MB (rank 0)"],
+                        [[k, hf[k]["tokens_per_s"], hf[k]["peak_rss_mb"][0]] for k in ("hf", "v17")])
+        lines += ["", f"Largest per-step loss difference: {hf.get('max_loss_diff', 0):.1e}."]
+    else:
+        lines += ["", f"Hugging Face's own expert parallelism did not run: {hf.get('reason')}."]
     bars = [("grouped / HF eager loop (speed)", g.get("loop/grouped")),
             ("ep2 / ep1 tokens/s", ep.get("ep2/ep1_tokens_per_s")),
-            ("all-to-all / all-gather tokens/s", disp.get("alltoall/allgather_tokens_per_s"))]
+            ("all-to-all / all-gather tokens/s", disp.get("alltoall/allgather_tokens_per_s")),
+            ("ours / HF EP training tokens/s", report.get("hf", {}).get("v17/hf_tokens_per_s"))]
     return lines, [("MoE, ours / anchor", [(k, v) for k, v in bars if isinstance(v, (int, float))], [])]
 
 

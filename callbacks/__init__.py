@@ -11,6 +11,7 @@ from lightning_v17.callbacks.bad_steps import BadStepError, BadStepGuard, BadSte
 from lightning_v17.callbacks.goodput import GoodputMonitor
 from lightning_v17.callbacks.loss_scaling import DynamicLossScaling, LossScaleError
 from lightning_v17.callbacks.memory import MemoryBuckets
+from lightning_v17.callbacks.moe import ExpertLoadMonitor, RouterCollapseError, RouterCollapseWarning
 from lightning_v17.callbacks.straggler import StragglerDetected, StragglerDetector
 from lightning_v17.callbacks.throughput import ThroughputMonitor
 
@@ -20,9 +21,12 @@ __all__: list[str] = [
     "BadStepGuard",
     "BadStepRollback",
     "DynamicLossScaling",
+    "ExpertLoadMonitor",
     "GoodputMonitor",
     "LossScaleError",
     "MemoryBuckets",
+    "RouterCollapseError",
+    "RouterCollapseWarning",
     "StragglerDetected",
     "StragglerDetector",
     "ThroughputMonitor",

@@ -290,6 +290,10 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
                     model, explicit=tp.plan, sequence_parallel=tp.sequence_parallel, vocab_parallel=tp.vocab_parallel,
                     loss_parallel=tp.loss_parallel,
                 )  # fmt: skip
+            if spec.ep > 1:  # Hugging Face's fused experts become engine MoE layers (their FQNs unchanged)
+                from lightning_v17.models.hf_moe import adapt_hf_moe
+
+                adapt_hf_moe(model)
             if spec.pp > 1:
                 pipeline, layout, loss_fn = _pipeline.pipeline_options(model, policy.pipeline)
                 policy = replace(policy, pipeline=pipeline)

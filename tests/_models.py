@@ -161,3 +161,31 @@ def mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
 def max_rel(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+#: the Hugging Face MoE families whose fused experts run under V17's expert parallelism
+HF_MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def hf_moe(family: str, *, seed: int = 0):
+    """A tiny random Hugging Face MoE causal LM of ``family`` (2 layers, hidden 32, 4 experts, top-2, fp32, eager
+    attention; DeepSeek-V3 with tiny MLA dims, one shared expert and its first layer dense)."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+
+    common = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 64, "attn_implementation": "eager"}  # fmt: skip
+    if family == "mixtral":
+        cfg = MixtralConfig(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, **common)
+    elif family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                             head_dim=8, **common)  # fmt: skip
+    elif family == "deepseek_v3":
+        cfg = DeepseekV3Config(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4,
+                               num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                               first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                               qk_rope_head_dim=8, v_head_dim=8, **{**common, "num_key_value_heads": 4})  # fmt: skip
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg)

@@ -18,6 +18,7 @@ from lightning_v17.models.llama import (
     RMSNorm,
     TransformerBlock,
 )
+from lightning_v17.models.moe import GroupedExperts, LocalDispatch, MoE, moe_layers, update_expert_biases
 
 __all__ = [
     "BLOCK_TP_PLAN",
@@ -25,12 +26,17 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "FeedForward",
+    "GroupedExperts",
     "Llama",
     "LlamaLM",
+    "LocalDispatch",
+    "MoE",
     "ModelConfig",
     "RMSNorm",
     "TransformerBlock",
     "cu_seqlens_from_position_ids",
+    "moe_layers",
+    "update_expert_biases",
     "varlen_attention",
 ]
 

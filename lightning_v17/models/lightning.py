@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lightning_v17.data.packing import IGNORE_INDEX
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.llama import Llama
+from lightning_v17.models.moe import moe_layers
 from lightning_v17.optim.factory import OptimizerName, build_optimizer
 
 
@@ -126,6 +127,11 @@ class LlamaLM(L.LightningModule):
         if "doc_ids" in batch:
             pad = float((batch["doc_ids"] < 0).sum()) / batch["doc_ids"].numel()
             self.log("padding_fraction", pad, batch_size=bsz)
+        moe = moe_layers(self.model) if self.model is not None else []
+        if moe:  # the MoE layers' balance and z-losses of this forward, already times their coefficients
+            aux = sum(m.aux_loss for m in moe)
+            self.log("train/aux_loss", aux, batch_size=bsz)
+            loss = loss + aux
         return loss
 
     def on_train_epoch_start(self) -> None:

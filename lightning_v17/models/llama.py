@@ -7,7 +7,9 @@ the rest (``layers.5.attention.wq.weight`` stays ``layers.5...``), as torchtitan
 returned.
 
 Blocks: pre-norm RMSNorm (Zhang 2019), RoPE on explicit ``position_ids`` (Su 2021), grouped-query attention
-(Ainslie 2023) with varlen document masking, SwiGLU MLP ``w2(silu(w1 x) * w3 x)`` (Shazeer 2020).
+(Ainslie 2023) with varlen document masking, SwiGLU MLP ``w2(silu(w1 x) * w3 x)`` (Shazeer 2020), or in the MoE
+blocks of a ``num_experts > 0`` config the mixture of experts of :mod:`lightning_v17.models.moe` under the same
+``feed_forward`` name.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from lightning_v17.models.attention import causal_attention, cu_seqlens_from_position_ids, varlen_attention
 from lightning_v17.models.config import ModelConfig
+from lightning_v17.models.moe import MoE
 
 #: Tensor-parallel roles inside each block (Megatron-LM, Shoeybi 2019 §3): column-parallel projections shard their
 #: output features (heads / MLP width), row-parallel ones shard their input features and end in an all-reduce.
@@ -129,12 +132,12 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``; the unit of recompute, ZeRO-3 and PP."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward: nn.Module = MoE(config) if config.is_moe_block(layer_id) else FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -162,7 +165,7 @@ class Llama(nn.Module):
         self.config = config
         self.init_seed = init_seed
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -214,8 +217,10 @@ class Llama(nn.Module):
         (adding sequence/loss parallelism as configured). Modules absent from a pipeline stage are absent here.
         """
         plan = {name: role for name, role in TOP_TP_PLAN.items() if getattr(self, name) is not None}
-        for key in self.layers:
-            plan.update({f"layers.{key}.{name}": role for name, role in BLOCK_TP_PLAN.items()})
+        for key, block in self.layers.items():
+            moe = isinstance(block.feed_forward, MoE)  # its router and experts stay whole on every tp rank
+            plan.update({f"layers.{key}.{name}": role for name, role in BLOCK_TP_PLAN.items()
+                         if not (moe and name.startswith("feed_forward."))})  # fmt: skip
         return plan
 
     def pipeline_split_points(self) -> list[str]:
@@ -242,7 +247,10 @@ class Llama(nn.Module):
         which blocks a pipeline stage holds. Works after meta-device construction + ``to_empty``.
 
         Normal(0, 0.02) for embeddings and projections, with ``wo``/``w2`` scaled by 1/sqrt(2L) (GPT-2's residual
-        scaling, Radford 2019 §2.3), ``output`` with std h^-0.5, norm weights 1.
+        scaling, Radford 2019 §2.3), ``output`` with std h^-0.5, norm weights 1. In MoE blocks the router and the
+        experts are drawn the same way (``experts.down_proj`` and ``shared_experts.w2`` scaled like ``w2``; an
+        expert-sharded weight copies only its rank's experts), and the balance buffers ``expert_bias`` and
+        ``expert_load`` restart at zero.
         """
         seed = self.init_seed if seed is None else seed
         depth_scale = 1.0 / math.sqrt(2 * self.config.layers)
@@ -256,13 +264,18 @@ class Llama(nn.Module):
                 full = torch.ones(param.shape)
             else:
                 std = _INIT_STD
-                if clean.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                if clean.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.down_proj",
+                                   "shared_experts.w2.weight")):
                     std *= depth_scale
                 elif clean == "output.weight" and not self.config.tie_embeddings:
                     std = self.config.hidden**-0.5
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{clean}".encode()))
                 full = torch.empty(param.shape).normal_(0.0, std, generator=gen)
             _copy_full_into(param, full)
+        for m in self.modules():
+            if isinstance(m, MoE):  # the balance state starts at zero (a meta-built model's buffers are garbage)
+                m.expert_bias.zero_()
+                m.expert_load.zero_()
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -10,8 +10,9 @@ One concern per module, every formula a function with its units in its name and 
 - ``throughput``: FLOPs per token/step (Narayanan 2021 Eq. 3, Korthikanti App. A) and the MFU-based step time.
 - ``offload``: GPU/CPU/NVMe tiers and transfer time (ZeRO-Offload, ZeRO-Infinity).
 - ``resilience``: checkpoint interval (Young 1974, Daly 2006).
+- ``moe``: mixture-of-experts arithmetic: expert parallelism, the experts' bytes, token dispatch traffic.
 - ``recipes``: the design outline's decision tree and anti-pattern warnings.
-- ``plan``: input dataclasses and :func:`make_plan`; ``report``: text and JSON; ``cli``: ``v17 plan``.
+- ``specs``: the input dataclasses; ``plan``: :func:`make_plan`; ``report``: text and JSON; ``cli``: ``v17 plan``.
 
 Nothing here imports torch (a test checks it), so ``v17 plan`` starts instantly on any machine.
 """

@@ -11,6 +11,7 @@ Examples::
     v17 plan --model llama3-8b --gpus 8 --tp 2 --max-model    # deepest model of this width that fits
     v17 plan --model tiny --gpu cpu --gpus 2 --emit-config run.yaml   # then: v17 fit --config run.yaml
     v17 plan --model llama3-70b --gpus 512 --plot plan.png     # needs the plot extra (matplotlib)
+    v17 plan --model mixtral-8x7b --gpus 16 --ep 8 --json     # experts over 8 ranks, dispatch traffic
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ from typing import Any
 
 from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, Tier, ZeroPolicy
 from lightning_v17.planner.hardware import ACCELERATORS
-from lightning_v17.planner.model import PRESETS, Arch, ModelShape, get_preset, with_overrides
+from lightning_v17.planner.model import PLANNER_ONLY_PRESETS, PRESETS, Arch, ModelShape, get_preset, with_overrides
 from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.pipeline import OpTimes
 from lightning_v17.planner.plan import ClusterSpec, ModelSpec, TrainSpec, make_plan
 from lightning_v17.planner.report import render_text, to_dict
 
 #: Defaults that make a preset's plan describe its usual run. ``tiny`` is the CPU reference model that the main
-#: job (``make run``) trains on 2 CPU ranks in fp32 with ZeRO-3.
-PRESET_DEFAULTS: dict[str, dict[str, Any]] = {"tiny": {"gpu": "cpu", "gpus": 2, "precision": "fp32"}}
+#: job (``make run``) trains on 2 CPU ranks in fp32 with ZeRO-3; ``tiny-moe`` is its mixture-of-experts sibling.
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {"tiny": {"gpu": "cpu", "gpus": 2, "precision": "fp32"},
+                                              "tiny-moe": {"gpu": "cpu", "gpus": 2, "precision": "fp32"}}
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 # argparse only takes "-4" or "-.5" as a value; "-7e9" or "-70B" would read as an unknown option.
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="v17 plan", description="Per-rank memory, communication, bubble, FLOPs and a recommended "
                 "layout for training a transformer. Every number cites its formula (lightning_v17/planner/).")
     g = p.add_argument_group("model (a preset, explicit shape flags, or --params)")
-    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    g.add_argument("--model", help=f"preset: {', '.join([*PRESETS, *PLANNER_ONLY_PRESETS])}")
     g.add_argument("--params", type=_count, help="parameter count for model-state-only questions (7.5e9, 70B)")
     g.add_argument("--arch", help="llama or gpt (default llama)")
     for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
@@ -160,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bubble over sampled steps")
     t.add_argument("--p2p-time", type=_non_negative_float, default=0.0,
                    help="one pipeline send/recv, in the unit of --op-times (default 0)")
+    t.add_argument("--ep", type=_positive_int,
+                   help="expert-parallel size of a MoE model, folded out of dp, which it must divide (default: the "
+                        "decision tree's when tp = pp = 1, else 1)")
     t.add_argument("--offload-optimizer", default="none", help="none, cpu or nvme")
     t.add_argument("--offload-params", default="none", help="none, cpu or nvme (ZeRO-3)")
     t.add_argument("--mfu", type=_positive_float, default=0.5,
@@ -184,7 +189,7 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
     if args.model is not None:
         if args.params is not None:
             raise _UsageError("give either --model or --params, not both")
-        shape = get_preset(args.model)
+        shape = get_preset(args.model, planner_only=True)
         if args.arch is not None:
             given["arch"] = Arch.parse(args.arch)
         return ModelSpec(shape=with_overrides(shape, **given), name=args.model.strip().lower())
@@ -205,7 +210,8 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
         return ModelSpec(shape=shape, name="custom")
     if args.params is not None:
         return ModelSpec(params=args.params, name="custom")
-    raise _UsageError(f"give a model: --model {{{', '.join(PRESETS)}}}, the shape flags, or --params N")
+    names = ", ".join([*PRESETS, *PLANNER_ONLY_PRESETS])
+    raise _UsageError(f"give a model: --model {{{names}}}, the shape flags, or --params N")
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
@@ -232,7 +238,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         offload_optimizer=Tier.parse(args.offload_optimizer, "--offload-optimizer"),
         offload_params=Tier.parse(args.offload_params, "--offload-params"), fp8=args.fp8,
         mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s, op_times=_op_times(args.op_times, args.op_cv),
-        p2p_time=args.p2p_time,
+        p2p_time=args.p2p_time, ep=args.ep,
     )  # fmt: skip
     return model, cluster, train
 

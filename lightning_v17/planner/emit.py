@@ -104,6 +104,10 @@ def _model_section(plan: Plan) -> dict[str, Any]:
             f"--emit-config: the reference model implements llama shapes only, not {arch}; "
             "use a llama preset or --arch llama"
         )
+    if shape.head_dim or shape.mla is not None:
+        what = "multi-head latent attention (mla)" if shape.mla is not None else f"head_dim={shape.head_dim}"
+        raise V17ConfigError(f"--emit-config: the reference model has GQA heads of width hidden/heads, not {what} "
+                             f"({plan.model.name}); plan it without --emit-config")
     name = plan.model.name if plan.model.name in PRESETS else "tiny"
     base = PRESETS[name]
     overrides = {_SHAPE_TO_MODEL_CONFIG[k]: getattr(shape, k) for k in _SHAPE_TO_MODEL_CONFIG
@@ -145,6 +149,8 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
         "zero_stage": lay.zero.stage, "activation_checkpointing": lay.recompute.value, "dp_replicate": 1,
         "dp_shard": lay.dp, "tp": lay.tp, "pp": lay.pp,
     }  # fmt: skip
+    if lay.ep > 1:
+        args["ep"] = lay.ep  # MeshSpec.ep: the experts over ep ranks folded out of dp_shard
     if lay.pp > 1:
         args["pipeline"] = _fields(PipelinePolicy(schedule=lay.schedule, microbatches=lay.microbatches,
                                                   virtual_stages=lay.virtual_stages))  # fmt: skip
@@ -218,7 +224,7 @@ def emit_config(plan: Plan) -> EmittedConfig:
     summary = [
         (f"plan: {plan.model.name} ({fmt_count(plan.model.num_params)} params) on {lay.gpus} x {acc.name} "
          f"({nodes} node{'s' if nodes > 1 else ''} x {devices})"),
-        (f"  layout: tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero.stage} sp={'on' if lay.sp else 'off'} "
+        (f"  layout: tp={lay.tp} pp={lay.pp} dp={lay.dp}{f' ep={lay.ep}' if lay.ep > 1 else ''} zero={lay.zero.stage} sp={'on' if lay.sp else 'off'} "
          f"recompute={lay.recompute.value} schedule={lay.schedule.value if lay.pp > 1 else '-'} | "
          f"{lay.optimizer.value} {lay.precision.value}{f' fp8={lay.fp8.value}' if lay.fp8 else ''}"),
         (f"  per-rank device memory: {fmt_bytes(gpu_bytes)} of {fmt_bytes(plan.cluster.usable_memory_bytes)} usable "

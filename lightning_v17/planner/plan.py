@@ -1,15 +1,15 @@
-"""Planner inputs (dataclasses), layout resolution, and the assembled :class:`Plan`.
+"""Layout resolution and the assembled :class:`Plan`.
 
-Torch-free. The CLI maps flags onto :class:`ModelSpec`, :class:`ClusterSpec` and :class:`TrainSpec`;
-:func:`make_plan` resolves what was left unset from the design outline's decision tree (recipes.py) and evaluates every
-formula (memory.py, comm.py, pipeline.py, throughput.py, offload.py, resilience.py) for the resolved layout.
+Torch-free. The CLI maps flags onto :class:`ModelSpec`, :class:`ClusterSpec` and :class:`TrainSpec` (specs.py,
+re-exported here); :func:`make_plan` resolves what was left unset from the design outline's decision tree
+(recipes.py) and evaluates every formula (memory.py, comm.py, pipeline.py, throughput.py, offload.py,
+resilience.py, and moe.py for mixture-of-experts shapes) for the resolved layout.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import astuple, dataclass, field, replace
 
 from lightning_v17.config import (
     FP8Recipe,
@@ -26,177 +26,14 @@ from lightning_v17.config import (
 from lightning_v17.config.schedules import schedule_info
 from lightning_v17.planner import comm as comm_
 from lightning_v17.planner import memory as mem
+from lightning_v17.planner import moe as moe_
 from lightning_v17.planner import offload as off
 from lightning_v17.planner import recipes
 from lightning_v17.planner import resilience as res
 from lightning_v17.planner import throughput as thr
-from lightning_v17.planner.hardware import GB, Accelerator, get_accelerator
-from lightning_v17.planner.model import ModelShape
-from lightning_v17.planner.pipeline import OpTimes, bubble_fraction
-
-
-def _positive(name: str, value: Any, *, allow_none: bool = True, kind: type = int) -> None:
-    if value is None and allow_none:
-        return
-    ok = isinstance(value, kind) and not isinstance(value, bool) and value > 0
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-    if not ok:
-        raise V17ConfigError(f"{name}={value!r} must be a positive {'integer' if kind is int else 'number'}")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What is trained: a full shape, or only a parameter count (model-state questions).
-
-    Args:
-        shape: the model shape (preset or explicit). None when only ``params`` is known.
-        params: parameter count, used when ``shape`` is None.
-        name: preset name or "custom", for the report.
-    """
-
-    shape: ModelShape | None = None
-    params: int | None = None
-    name: str = "custom"
-
-    def __post_init__(self) -> None:
-        if self.shape is None and self.params is None:
-            raise V17ConfigError("give a model: --model PRESET, the shape flags (--layers ... --vocab), or --params N")
-        _positive("params", self.params)
-
-    @property
-    def num_params(self) -> int:
-        return self.shape.num_params if self.shape is not None else int(self.params)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """Where it is trained.
-
-    Args:
-        gpu: accelerator name in ``hardware.ACCELERATORS``.
-        gpus: world size (None: derived from dp, or one node).
-        gpus_per_node: devices per node (None: the accelerator's usual server).
-        pcie_gbps: host <-> device bandwidth per rank, GB/s (offload transfers).
-        nvme_gbps: NVMe bandwidth per rank, GB/s.
-        storage_gbps: checkpoint write bandwidth per node, GB/s.
-        node_mtbf_hours: mean time between failures of one node, hours. The default, 6000 h, is what Meta's
-            Llama 3 run saw (Dubey 2024 §3.3.4: 419 unexpected interruptions in 54 days on 16,384 GPUs, i.e. one per
-            ~50,700 GPU-hours, ~6,300 h per 8-GPU node).
-        memory_reserve: fraction of each device's memory the plan leaves free, in [0, 0.9]: what the buckets do not
-            count (the CUDA context, NCCL's communication buffers, the caching allocator's fragmentation and
-            whatever else a process holds). A plan "fits" when its device bytes stay within the rest
-            (:attr:`usable_memory_bytes`). Default 0.1: 8 GB of an 80 GB H100, about what a CUDA context
-            (~0.5-1 GB), NCCL buffers (~1-2 GB) and a few percent of fragmentation take. 0 plans to the last byte.
-    """
-
-    gpu: str = "h100-80gb"
-    gpus: int | None = None
-    gpus_per_node: int | None = None
-    pcie_gbps: float = 25.0
-    nvme_gbps: float = 3.0
-    storage_gbps: float = 5.0
-    node_mtbf_hours: float = 6000.0
-    memory_reserve: float = 0.1
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.memory_reserve, (int, float)) and 0 <= self.memory_reserve <= 0.9):
-            raise V17ConfigError(f"memory_reserve={self.memory_reserve!r} must be a fraction in [0, 0.9]")
-        get_accelerator(self.gpu)
-        _positive("gpus", self.gpus)
-        _positive("gpus_per_node", self.gpus_per_node)
-        for name in ("pcie_gbps", "nvme_gbps", "storage_gbps", "node_mtbf_hours"):
-            _positive(name, getattr(self, name), allow_none=False, kind=float)
-
-    @property
-    def accelerator(self) -> Accelerator:
-        return get_accelerator(self.gpu)
-
-    @property
-    def usable_memory_bytes(self) -> int:
-        """Device bytes a plan may use: the accelerator's memory less ``memory_reserve``."""
-        return int(self.accelerator.memory_bytes * (1.0 - self.memory_reserve))
-
-
-@dataclass(frozen=True)
-class TrainSpec:
-    """How it is trained. ``None`` means "let the planner choose" (decision tree, or the cheapest fit).
-
-    Args:
-        tp, pp, dp, cp: mesh sizes.
-        sp: sequence parallelism (None: on whenever tp > 1).
-        zero: the ZeRO policy (``v17 plan --zero-stage N`` is ``ZeroPolicy(stage=N)``).
-        optimizer: optimizer kind.
-        precision: training precision.
-        micro_batch: samples per micro-batch (b).
-        seq: training sequence length (None: the shape's ``seq``; 2048 with ``params`` only).
-        global_batch: samples per optimizer step, all replicas (G = dp·b·m).
-        microbatches: micro-batches per step per replica (m).
-        recompute: none/selective/full (None: the cheapest that fits).
-        schedule: pipeline schedule.
-        virtual_stages: model chunks per rank for interleaved/zero-bubble schedules.
-        offload_optimizer, offload_params: tiers.
-        fp8: the strategy's ``fp8`` recipe ("tensorwise", "rowwise", "delayed"; None: off, or "tensorwise" when
-            ``precision`` is "fp8"). It changes the saved activations (``delayed`` keeps float8 casts,
-            :func:`~lightning_v17.planner.memory.fp8_activation_delta_bytes_per_layer`) and, at ZeRO-3 with
-            ``tensorwise``, the all-gathered unit (its Linear weights travel in float8, 1 B each).
-        mfu: assumed MFU without bubble and recomputation, for the step-time estimate.
-        checkpoint_write_s: seconds to write a checkpoint (None: model state / storage bandwidth).
-        op_times: T_F, T_B, T_W of one micro-batch on one stage, with their coefficients of variation, for the
-            pipeline bubble simulation (``planner.pipeline.bubble_fraction``); None: the FLOP split
-            T_F = T_B = T_W and no jitter. Any unit; only the ratios and ``p2p_time`` relative to them matter.
-        p2p_time: one activation/gradient transfer between pipeline ranks, in the unit of ``op_times``.
-    """
-
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    cp: int | None = None
-    sp: bool | None = None
-    zero: ZeroPolicy | None = None
-    optimizer: OptimizerKind = OptimizerKind.ADAMW
-    precision: Precision = Precision.BF16_MIXED
-    micro_batch: int = 1
-    seq: int | None = None
-    global_batch: int | None = None
-    microbatches: int | None = None
-    recompute: Recompute | None = None
-    schedule: Schedule | None = None
-    virtual_stages: int | None = None
-    offload_optimizer: Tier = Tier.NONE
-    offload_params: Tier = Tier.NONE
-    fp8: FP8Recipe | None = None
-    mfu: float = 0.5
-    checkpoint_write_s: float | None = None
-    op_times: OpTimes | None = None
-    p2p_time: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.p2p_time < 0:
-            raise ValueError(f"p2p_time={self.p2p_time} must be >= 0")
-        object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer))
-        object.__setattr__(self, "precision", Precision.parse(self.precision))
-        if self.fp8 is not None:
-            try:
-                object.__setattr__(self, "fp8", FP8Recipe(self.fp8))
-            except ValueError:
-                raise V17ConfigError(
-                    f"fp8={self.fp8!r}; choose one of {[r.value for r in FP8Recipe]} (or leave it unset)"
-                ) from None
-        elif self.precision == Precision.FP8:
-            object.__setattr__(self, "fp8", FP8Recipe.TENSORWISE)  # what an fp8 run of V17Strategy uses
-        if self.recompute is not None:
-            object.__setattr__(self, "recompute", Recompute.parse(self.recompute, "recompute"))
-        if self.schedule is not None:
-            object.__setattr__(self, "schedule", Schedule.parse(self.schedule, "schedule"))
-        object.__setattr__(self, "offload_optimizer", Tier.parse(self.offload_optimizer, "offload_optimizer"))
-        object.__setattr__(self, "offload_params", Tier.parse(self.offload_params, "offload_params"))
-        for name in ("tp", "pp", "dp", "cp", "seq", "global_batch", "microbatches", "virtual_stages"):
-            _positive(name, getattr(self, name))
-        _positive("micro_batch", self.micro_batch, allow_none=False)
-        if not 0 < self.mfu <= 1:
-            raise V17ConfigError(f"mfu={self.mfu!r} must be in (0, 1]")
-        _positive("checkpoint_write_s", self.checkpoint_write_s, kind=float)
+from lightning_v17.planner.hardware import GB
+from lightning_v17.planner.pipeline import bubble_fraction
+from lightning_v17.planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 
 @dataclass(frozen=True)
@@ -221,10 +58,17 @@ class Layout:
     offload_optimizer: Tier
     offload_params: Tier
     fp8: FP8Recipe | None = None
+    #: expert-parallel size, folded out of the data-parallel ranks (not a factor of ``gpus``)
+    ep: int = 1
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """The experts' ZeRO group: the data-parallel ranks that hold the same experts (``dp / ep``)."""
+        return self.dp // self.ep
 
     @property
     def params_tier(self) -> Tier:
@@ -233,9 +77,14 @@ class Layout:
         return self.offload_params if self.zero.shards_params else Tier.NONE
 
 
+#: the experts' share of a dense model's model state
+_NO_EXPERTS = mem.ModelStateBytes(0, 0, 0, 0)
+
+
 @dataclass(frozen=True)
 class Memory:
-    """Per-rank bytes by bucket, and by tier."""
+    """Per-rank bytes by bucket, and by tier. ``param``, ``grad`` and ``optimizer`` hold everything; ``experts`` is
+    the routed experts' share of them (zero for a dense model), the rest is the dense part."""
 
     param: int
     grad: int
@@ -245,6 +94,7 @@ class Memory:
     activation_per_layer: int
     temp: int
     tiers: off.TierBytes
+    experts: mem.ModelStateBytes = _NO_EXPERTS
 
     @property
     def model_state(self) -> int:
@@ -282,6 +132,8 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     #: the op times the bubble was simulated with, in words ("T_F = T_B = T_W" by default)
     bubble_inputs: str = "T_F = T_B = T_W"
+    #: the MoE section (expert parallelism, dispatch traffic); None for a dense model
+    moe: moe_.MoEReport | None = None
 
     @property
     def fits(self) -> bool:
@@ -313,7 +165,9 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
 
     With pp > 1 the rank described is the first pipeline stage, the activation peak (Korthikanti Eq. 5); model
     state is split evenly over stages (Ψ/(tp·pp)), and the fp32 logits are counted only when pp = 1 (with a
-    pipeline they live on the last stage, which holds one micro-batch in flight instead of p).
+    pipeline they live on the last stage, which holds one micro-batch in flight instead of p). A MoE shape's routed
+    experts are counted apart (:func:`~lightning_v17.planner.moe.expert_state_bytes_per_rank`: / ep, and what ZeRO
+    shards of them), their extra activations averaged over the blocks (``moe_activation_delta_bytes_per_layer``).
     """
     shape = model.shape
     lay = layout
@@ -323,10 +177,14 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
     k = sum(b for _, b in parts)
     # ZeRO shards over every data-parallel rank of a model replica, cp included (torchtitan's dp_shard_cp).
     shard = lay.dp * lay.cp
-    state = mem.model_state_bytes_per_rank(
-        model.num_params, zero=lay.zero, dp=shard, tp=lay.tp, pp=lay.pp,
+    expert_params = shape.expert_params if shape is not None else 0
+    dense = mem.model_state_bytes_per_rank(
+        model.num_params - expert_params, zero=lay.zero, dp=shard, tp=lay.tp, pp=lay.pp,
         param_bytes=pb, grad_bytes=gb, optimizer_bytes=k,
     )  # fmt: skip
+    experts = moe_.expert_state_bytes_per_rank(expert_params, zero=lay.zero, ep=lay.ep, dp_shard=shard, tp=lay.tp,
+                                               pp=lay.pp, param_bytes=pb, grad_bytes=gb, optimizer_bytes=k)
+    state = mem.ModelStateBytes(*(a + b for a, b in zip(astuple(dense), astuple(experts), strict=True)))
     opt_parts = tuple((name, math.ceil(state.optimizer * b / k) if k else 0) for name, b in parts)
     element = lay.precision.activation_bytes
     per_layer = act = temp = 0
@@ -335,12 +193,17 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
             shape, seq=lay.seq, micro_batch=lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
             cp=lay.cp, element_bytes=element, fp8=lay.fp8,
         )  # fmt: skip
+        if shape.moe_blocks:  # the mean over the blocks: exact in sum at pp = 1
+            delta = moe_.moe_activation_delta_bytes_per_layer(shape, seq=lay.seq, micro_batch=lay.micro_batch, tp=lay.tp,
+                                                              recompute=lay.recompute, cp=lay.cp, element_bytes=element)
+            per_layer += math.ceil(delta * shape.moe_blocks / shape.layers)
         act = mem.activation_bytes_first_stage(
             per_layer, layers=shape.layers, pp=lay.pp, microbatches=lay.microbatches, schedule=lay.schedule,
             virtual_stages=lay.virtual_stages,
         )  # fmt: skip
         if lay.zero.shards_params and shard > 1:
-            temp += mem.zero3_gather_bytes(shape.largest_unit_params, tp=lay.tp, param_bytes=pb, grad_bytes=gb,
+            temp += mem.zero3_gather_bytes(moe_.gathered_unit_params(shape, ep=lay.ep), tp=lay.tp, param_bytes=pb,
+                                           grad_bytes=gb,
                                            float8_params=mem.fp8_gathered_params(shape, lay.fp8))  # fmt: skip
         if lay.pp == 1:
             temp += mem.logits_bytes(seq=lay.seq // lay.cp, micro_batch=lay.micro_batch, vocab=shape.vocab, tp=lay.tp)
@@ -350,7 +213,7 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
         param_bytes=state.param, grad_bytes=state.grad, optimizer_bytes=state.optimizer, activation_bytes=act,
         temp_bytes=temp, offload_optimizer=lay.offload_optimizer, offload_params=lay.params_tier,
     )  # fmt: skip
-    return Memory(state.param, state.grad, state.optimizer, opt_parts, act, per_layer, temp, tiers)
+    return Memory(state.param, state.grad, state.optimizer, opt_parts, act, per_layer, temp, tiers, experts)
 
 
 def _resolve_world(cluster: ClusterSpec, train: TrainSpec, tp: int, pp: int, cp: int) -> tuple[int, int]:
@@ -411,10 +274,14 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
     seq = train.seq or (model.shape.seq if model.shape is not None else 2048)
     zero = rec.zero if train.zero is None else train.zero
     sp = (tp > 1) if train.sp is None else train.sp
+    ep = train.ep
+    if ep is None:  # the tree's expert parallelism, where V17Strategy composes it: data parallelism alone
+        plain = tp == pp == cp == 1 and train.offload_optimizer == train.offload_params == Tier.NONE
+        ep = moe_.recommend_ep(model.shape.num_experts, dp_shard=dp) if rec.ep > 1 and plain else 1
     return Layout(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, schedule=schedule,
                   virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
                   optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
-                  offload_params=train.offload_params, fp8=train.fp8)
+                  offload_params=train.offload_params, fp8=train.fp8, ep=ep)
 
 
 def _validate(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
@@ -425,6 +292,7 @@ def _validate(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
                              ffn=shape.ffn)
         if layout.pp > shape.layers:
             raise V17ConfigError(f"pp={layout.pp} exceeds layers={shape.layers}; use pp <= {shape.layers}")
+    moe_.check_ep(layout.ep, dp_shard=layout.dp, num_experts=shape.num_experts if shape is not None else 0)
     if layout.seq % layout.cp != 0:
         raise V17ConfigError(f"cp={layout.cp} must divide seq={layout.seq}")
 
@@ -463,13 +331,14 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     rec = recipes.recommend(
         num_params, gpus=world, gpus_per_node=gpn, nvlink=acc.nvlink, layers=shape.layers if shape else None,
         tp_dims=dims, seq=train.seq or (shape.seq if shape else None), model_state_fits=state_fits,
+        num_experts=shape.num_experts if shape else 0, expert_params=shape.expert_params if shape else 0,
     )  # fmt: skip
     if world is None:
         rec = replace(rec, dp=train.dp)
 
     # The tree's own layout (its sizes; only the batch flags from the user) and the cheapest recompute that fits it.
     rec_train = replace(train, tp=None, pp=None, cp=None, sp=None, zero=None, schedule=None,
-                        virtual_stages=None, dp=None)
+                        virtual_stages=None, dp=None, ep=None)
     rec_cluster = cluster if world else replace(cluster, gpus=rec.tp * rec.pp * (train.dp or 1))
     try:
         rec_layout = _layout(model, rec_cluster, rec_train, rec, Recompute.NONE)
@@ -490,9 +359,24 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     element = lay.precision.activation_bytes
     psi_mp = num_params / (lay.tp * lay.pp)
     shard = lay.dp * lay.cp
+    # At ep > 1 the routed experts leave the ZeRO collectives: their gradients are all-reduced over efsdp, and every
+    # MoE block dispatches its tokens over ep (moe.py).
+    own_experts = shape.expert_params / (lay.tp * lay.pp * lay.ep) if shape is not None and lay.ep > 1 else 0.0
     # Each rank runs m micro-batches per step; with ZeRO-2/3 each one triggers its own reduce-scatter/gathers.
-    collectives = list(comm_.dp_comm_bytes(psi_mp, zero=lay.zero, dp=shard, grad_bytes=gb,
+    collectives = list(comm_.dp_comm_bytes(psi_mp - own_experts * lay.ep, zero=lay.zero, dp=shard, grad_bytes=gb,
                                            param_bytes=pb, grad_accum_steps=lay.microbatches))
+    moe = None
+    if shape is not None and shape.num_experts:
+        moe = replace(moe_.moe_report(shape, ep=lay.ep, dp=lay.dp, tokens_per_rank=lay.micro_batch * lay.seq // lay.cp,
+                                      activation_bytes=element, zero=lay.zero, tp=lay.tp, pp=lay.pp,
+                                      microbatches=lay.microbatches, param_bytes=pb, grad_bytes=gb, optimizer_bytes=k),
+                      expert_state_bytes_per_rank=memory.experts.total)  # fmt: skip
+    if moe is not None and lay.ep > 1:
+        if lay.efsdp > 1:
+            collectives.append(comm_.Collective("edp all-reduce (expert grads)", "edp", moe_.expert_grad_allreduce_bytes(
+                own_experts, efsdp=lay.efsdp, grad_bytes=gb)))  # fmt: skip
+        dispatched = moe.alltoall_bytes_per_step if moe.dispatcher == "alltoall" else moe.allgather_bytes_per_step
+        collectives.append(comm_.Collective(f"ep {moe.dispatcher} (tokens, dispatch+combine)", "ep", dispatched))
     layers_per_stage = math.ceil(shape.layers / lay.pp) if shape else 0
     per_rank_layers = layers_per_stage * lay.microbatches
     seq_local = lay.seq // lay.cp
@@ -509,11 +393,15 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         per = comm_.pp_comm_bytes_per_microbatch(seq=seq_local, micro_batch=lay.micro_batch, hidden=shape.hidden,
                                                  tp=lay.tp, element_bytes=element, virtual_stages=lay.virtual_stages)
         collectives.append(comm_.Collective("pp send/recv (activations, grads)", "pp", per * lay.microbatches))
-    comm_time = 0.0
+    comm_time = dispatch_s = 0.0
     nodes = math.ceil(lay.gpus / gpn)
     for c in collectives:
-        intra = nodes == 1 or (c.axis in ("tp", "cp") and lay.tp * lay.cp <= gpn)
-        comm_time += c.bytes_per_step / (acc.intra_node_bytes_per_s if intra else acc.inter_node_bytes_per_s)
+        # tp and cp groups are consecutive ranks, and an ep group spans ep of them (ep innermost in dp_shard)
+        group = lay.tp * lay.cp * (lay.ep if c.axis == "ep" else 1)
+        intra = nodes == 1 or (c.axis in ("tp", "cp", "ep") and group <= gpn)
+        seconds = c.bytes_per_step / (acc.intra_node_bytes_per_s if intra else acc.inter_node_bytes_per_s)
+        comm_time += seconds
+        dispatch_s += seconds if c.axis == "ep" else 0.0
 
     bubble = bubble_fraction(lay.schedule, pp=lay.pp, microbatches=lay.microbatches,
                              virtual_stages=lay.virtual_stages, op_times=train.op_times, p2p_s=train.p2p_time)
@@ -549,8 +437,11 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     warnings = recipes.anti_pattern_warnings(
         tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, sp=lay.sp, zero=lay.zero, gpus_per_node=gpn,
         microbatches=lay.microbatches, offload_params=lay.offload_params, offload_optimizer=lay.offload_optimizer,
-        fp8=lay.fp8,
+        fp8=lay.fp8, ep=lay.ep,
     )  # fmt: skip
+    if moe is not None:
+        traffic_line = moe_.traffic_warning(dispatch_s, compute_s=compute_s, shape=shape, ep=lay.ep, gpus_per_node=gpn)
+        warnings += [traffic_line] if traffic_line else []
     notes = list(rec.notes)
     engine_note = schedule_info(lay.schedule).engine_note() if lay.pp > 1 else None
     if engine_note:
@@ -571,7 +462,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         offload_time_s=offload_s,
         checkpoint_write_s=write_s, cluster_mtbf_s=mtbf_s, young_s=res.young_interval_s(write_s, mtbf_s),
         daly_s=res.daly_interval_s(write_s, mtbf_s), warnings=tuple(warnings), notes=tuple(notes),
-        bubble_inputs=_bubble_inputs(train),
+        bubble_inputs=_bubble_inputs(train), moe=moe,
     )  # fmt: skip
 
 

@@ -7,6 +7,10 @@ Torch-free. The tree (design §17.4):
     model ≤ 100B?         → TP8 + PP4 + DP
     otherwise             → TP8 + PP≥8 + ZeRO-1 (+ CP for long sequences / EP for MoE)
 
+A mixture-of-experts shape whose routed experts hold most of the parameters takes the tree's EP branch first:
+FSDP FULL_SHARD (ZeRO-3) over all ranks with the experts sharded over ``ep`` ranks folded out of them (torchtitan,
+Megatron-core's parallel folding), since V17Strategy composes ``ep`` with data parallelism only.
+
 Anti-patterns (design §17.5, §10.7): TP across nodes; tp not dividing the heads; fewer than 4·p micro-batches; small
 DP with a huge PP; ZeRO with nothing to shard over; a plan that does not fit in device memory. Combinations that
 V17Strategy refuses (PP with ZeRO-2/3, offload_params below ZeRO-3, ...) are warned from the one rules table,
@@ -51,6 +55,7 @@ class Recommendation:
         schedule: pipeline schedule.
         reason: the branch of the tree that was taken.
         notes: extra advice (CP/EP, adjustments made to fit the cluster).
+        ep: expert-parallel size (1: no expert parallelism), folded out of ``dp``.
     """
 
     tp: int
@@ -62,6 +67,7 @@ class Recommendation:
     schedule: Schedule
     reason: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    ep: int = 1
 
 
 def largest_tp(limit: int, *dims: int) -> int:
@@ -81,8 +87,16 @@ def recommend(
     tp_dims: tuple[int, ...] = (),
     seq: int | None = None,
     model_state_fits: Callable[[int, int], bool] | None = None,
+    num_experts: int = 0,
+    expert_params: float = 0,
 ) -> Recommendation:
-    """Walk the design outline's decision tree (§17.4).
+    """Walk the design outline's decision tree (§17.4), after its EP branch for a MoE shape.
+
+    EP branch: when the routed experts hold more than half of the parameters and some ``ep > 1`` divides both the
+    world size and the experts, the experts' bytes decide what fits, and ep divides them: FSDP FULL_SHARD (ZeRO-3)
+    over every rank, tp = pp = 1 (V17Strategy refuses ep with tp or pp, rules ``ep_without_tp``/``ep_without_pp``),
+    and ep = :func:`~lightning_v17.planner.moe.recommend_ep`, the largest divisor of the data-parallel size that
+    divides the experts (every rank keeps >= 1 whole expert).
 
     Args:
         num_params: model parameters.
@@ -93,7 +107,11 @@ def recommend(
         tp_dims: model dims tp must divide (heads, kv_heads, ffn); empty when only ``params`` is known.
         seq: training sequence length, for the "+CP" note.
         model_state_fits: optional ``f(tp, pp) -> bool``; for > 100B models PP doubles from 8 until it is true.
+        num_experts: routed experts per MoE block (0: a dense model).
+        expert_params: the routed experts' parameters (all blocks).
     """
+    from lightning_v17.planner.moe import recommend_ep
+
     notes: list[str] = []
     max_pp = layers if layers else 10**9
 
@@ -107,7 +125,13 @@ def recommend(
             pp -= 1
         return tp, pp
 
-    if num_params <= SMALL_MODEL_PARAMS:
+    ep = recommend_ep(num_experts, dp_shard=gpus) if gpus is not None and expert_params > num_params / 2 else 1
+    if ep > 1:
+        reason = (f"MoE, the routed experts hold {expert_params / num_params:.0%} of the parameters: FSDP FULL_SHARD "
+                  f"(ZeRO-3) over all ranks + EP={ep} ({num_experts // ep} of {num_experts} experts per rank), ep folded out of dp "
+                  f"(torchtitan, Megatron-core parallel folding; V17Strategy composes ep with data parallelism only)")
+        tp, pp, zero = 1, 1, ZeroPolicy(stage=3)
+    elif num_params <= SMALL_MODEL_PARAMS:
         reason = "≤10B parameters: FSDP FULL_SHARD (ZeRO-3) over all ranks, no TP/PP (design §17.4)"
         tp, pp, zero = 1, 1, ZeroPolicy(stage=3)
     elif not nvlink or gpus_per_node < 2:
@@ -138,14 +162,18 @@ def recommend(
         tp, pp = capped
     if seq is not None and seq >= LONG_SEQUENCE:
         notes.append(f"seq={seq} ≥ {LONG_SEQUENCE}: add context parallelism (cp) to split activations (design §17.4)")
-    if num_params > MEDIUM_MODEL_PARAMS:
-        notes.append("for MoE models add expert parallelism (EP), not modelled here")
+    if num_params > MEDIUM_MODEL_PARAMS and not num_experts:
+        notes.append("for MoE models add expert parallelism (EP): a MoE shape and --ep")
+    elif num_experts and ep == 1 and gpus is not None:
+        why = ("the routed experts hold only " f"{expert_params / num_params:.0%} of the parameters"
+               if expert_params <= num_params / 2 else f"no ep > 1 divides both {gpus} ranks and {num_experts} experts")
+        notes.append(f"MoE without expert parallelism: {why}")
     dp = gpus // (tp * pp) if gpus is not None else None
     if dp == 1 and zero.shards_optimizer:
         notes.append(f"dp=1: nothing to shard over data parallelism, so zero_stage=0 instead of {zero.stage}")
         zero = ZeroPolicy(stage=0)
     return Recommendation(tp=tp, pp=pp, dp=dp, cp=1, zero=zero, sp=tp > 1, schedule=Schedule.ONE_F_ONE_B,
-                          reason=reason, notes=tuple(notes))
+                          reason=reason, notes=tuple(notes), ep=ep)
 
 
 #: The nvme directory of the policy the rules look at: the plan counts bytes on the tier, not files, so any path does.
@@ -175,6 +203,7 @@ def rule_warnings(
     offload_optimizer: Tier = Tier.NONE,
     offload_params: Tier = Tier.NONE,
     fp8: FP8Recipe | None = None,
+    ep: int = 1,
 ) -> list[str]:
     """The rules of :mod:`lightning_v17.config.rules` the layout violates, each with the table's message and fix:
     what ``V17Strategy`` would refuse to build (the planner still plans it, and warns)."""
@@ -184,8 +213,9 @@ def rule_warnings(
     policy = TrainingPolicy(zero=zero, offload=offload, tensor_parallel=TPPolicy(sequence_parallel=bool(sp)),
                             fp8=None if fp8 is None else FP8Policy(recipe=fp8))  # fmt: skip
     values = {"pp": pp, "tp": tp, "zero_stage": zero.stage, "offload_params": offload.params.value,
-              "fp8": None if fp8 is None else FP8Recipe(fp8).value, "sequence_parallel": sp}  # fmt: skip
-    found = violations(RulesLayout(policy, pp=pp, tp=tp))
+              "fp8": None if fp8 is None else FP8Recipe(fp8).value, "sequence_parallel": sp, "ep": ep,
+              "offload": True}  # fmt: skip
+    found = violations(RulesLayout(policy, pp=pp, tp=tp, ep=ep))
     return [f"{_headline(rule, values)}: {text}" for rule, text in found]
 
 
@@ -202,11 +232,12 @@ def anti_pattern_warnings(
     offload_params: Tier = Tier.NONE,
     offload_optimizer: Tier = Tier.NONE,
     fp8: FP8Recipe | None = None,
+    ep: int = 1,
 ) -> list[str]:
     """Warnings for the layout: the composition rules it violates (:func:`rule_warnings`), then its anti-patterns
     (design §17.5, §10.7). Each names the fix."""
     warnings = rule_warnings(zero=zero, pp=pp, tp=tp, sp=sp, offload_optimizer=offload_optimizer,
-                             offload_params=offload_params, fp8=fp8)  # fmt: skip
+                             offload_params=offload_params, fp8=fp8, ep=ep)  # fmt: skip
     if tp > gpus_per_node:
         warnings.append(
             f"TP across nodes: tp={tp} > gpus_per_node={gpus_per_node}; TP's per-layer all-reduces need NVLink, "

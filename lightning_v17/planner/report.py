@@ -1,6 +1,7 @@
 """Render a :class:`~lightning_v17.planner.plan.Plan`: the human report (design §1.5 ASCII bars) and the JSON object.
 
-Torch-free. Bytes are per rank; GB = 1e9 bytes (ZeRO's unit). JSON bytes are integers.
+Torch-free. Bytes are per rank; GB = 1e9 bytes (ZeRO's unit). JSON bytes are integers. A MoE plan adds its ``ep``,
+the experts' share of the model state and a ``moe`` section; a dense plan renders as it always has.
 """
 
 from __future__ import annotations
@@ -103,15 +104,17 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     if shape is not None:
         dims = (f"L={shape.layers} h={shape.hidden} a={shape.heads} kv={shape.kv_heads} ffn={shape.ffn} "
                 f"V={shape.vocab}")
-        out.append(f"v17 plan: {plan.model.name} ({shape.arch.value}, {fmt_count(plan.model.num_params)} params; "
-                   f"{dims})")
+        active = f", {fmt_count(shape.active_params)} active" if shape.num_experts else ""
+        out.append(f"v17 plan: {plan.model.name} ({shape.arch.value}, {fmt_count(plan.model.num_params)} params"
+                   f"{active}; {dims})")
     else:
         out.append(f"v17 plan: {fmt_count(plan.model.num_params)} params (no shape: model state only)")
     gpn = plan.cluster.gpus_per_node or acc.gpus_per_node
     peak = acc.peak_flops_for(lay.precision)
     out.append(f"cluster : {lay.gpus} x {acc.name} ({plan.nodes} node{'s' * (plan.nodes > 1)} x {gpn}), "
                f"{fmt_bytes(acc.memory_bytes)} and {fmt_rate(peak)} ({_dtype(lay.precision)}) per device")
-    out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp} sp={'on' if lay.sp else 'off'} "
+    ep = f" ep={lay.ep}" if plan.moe is not None else ""
+    out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp}{ep} sp={'on' if lay.sp else 'off'} "
                f"zero={lay.zero.stage} recompute={lay.recompute.value} | {lay.optimizer.value} {lay.precision.value}"
                f" | offload optimizer={lay.offload_optimizer.value} params={lay.offload_params.value}")
     out.append(f"batch   : micro-batch {lay.micro_batch} x seq {lay.seq}, m={lay.microbatches} micro-batches, "
@@ -131,6 +134,13 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     out.append(f"{'':<14} └── model state {fmt_bytes(m.model_state)}: {before:.4g} B/param, "
                f"{m.model_state / slice_params:.3g} after ZeRO-{lay.zero.stage} over dp={lay.dp * lay.cp} "
                f"(Ψ/(tp·pp) = {fmt_count(slice_params)})")
+    if plan.moe is not None:
+        moe = plan.moe
+        kept = "sharded by ZeRO like the dense part" if moe.experts_sharded_over_efsdp else (
+            f"whole on each of the efsdp={moe.efsdp} ranks that hold the same ones (V17Strategy keeps them outside ZeRO)")
+        out.append(f"{'':<14} └── of it experts {fmt_bytes(m.experts.total)}: {moe.experts_per_rank} of "
+                   f"{moe.num_experts} routed experts per MoE block on each rank (ep={moe.ep}), {kept}; dense part "
+                   f"{fmt_bytes(m.model_state - m.experts.total)}")
     t = m.tiers
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     usable = plan.cluster.usable_memory_bytes
@@ -151,6 +161,13 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     rec_txt = "no recompute" if lay.recompute.value == "none" else f"{lay.recompute.value} recompute"
     out.append(f"FLOPs   : {fmt_flops(plan.model_flops_per_step)} model FLOPs/step, "
                f"{fmt_flops(plan.flops_per_step)} executed with {rec_txt} (per step, all ranks)")
+    if plan.moe is not None:
+        moe = plan.moe
+        out.append(f"MoE     : {fmt_count(moe.total_params)} params, {fmt_count(moe.active_params)} active per token "
+                   f"(top-{moe.experts_per_token} of {moe.num_experts} experts + {moe.shared_experts} shared, "
+                   f"{moe.moe_blocks} MoE blocks); FLOPs count the active ones")
+        out.append(f"dispatch: {moe.dispatcher}, {fmt_bytes(moe.alltoall_bytes_per_step)} all-to-all vs "
+                   f"{fmt_bytes(moe.allgather_bytes_per_step)} all-gather per step per rank: {moe.why}")
     out.append(f"step    : ~{fmt_seconds(plan.step_time_s)} at MFU {plan.mfu_assumed:.0%} before bubble/recompute "
                f"-> effective MFU {plan.mfu:.1%}, {fmt_count(lay.global_batch * lay.seq / plan.step_time_s)} tokens/s")
     if plan.offload_traffic.pcie_bytes or plan.offload_traffic.nvme_bytes:
@@ -173,7 +190,8 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
                        f"per rank with this layout ({fmt_bytes(max_model.gpu_bytes)} used)")
     out.append("")
     rec = plan.recommendation
-    out.append(f"recommendation: tp={rec.tp} pp={rec.pp} dp={rec.dp} zero={rec.zero.stage} "
+    rec_ep = f" ep={rec.ep}" if plan.moe is not None else ""
+    out.append(f"recommendation: tp={rec.tp} pp={rec.pp} dp={rec.dp}{rec_ep} zero={rec.zero.stage} "
                f"sp={'on' if rec.sp else 'off'} recompute={plan.recommended_recompute.value} "
                f"schedule={rec.schedule.value}")
     out.append(f"  why: {rec.reason}")
@@ -241,6 +259,14 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
             "notes": list(plan.notes), "warnings": list(plan.warnings),
         },
     }  # fmt: skip
+    if plan.moe is not None:
+        e = m.experts
+        out["layout"]["ep"] = lay.ep
+        out["layout"]["efsdp"] = lay.efsdp
+        out["per_rank"].update(expert_param_bytes=e.param, expert_grad_bytes=e.grad, expert_optimizer_bytes=e.optimizer,
+                               expert_model_state_bytes=e.total, dense_model_state_bytes=m.model_state - e.total)
+        out["recommendation"]["ep"] = rec.ep
+        out["moe"] = plan.moe.to_dict()
     if max_model_asked:
         out["max_model"] = (None if max_model is None else
                             {"params": max_model.params, "layers": max_model.layers, "gpu_bytes": max_model.gpu_bytes,

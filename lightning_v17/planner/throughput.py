@@ -21,6 +21,11 @@ def flops_per_token(shape: ModelShape, *, seq: int, recompute: Recompute = Recom
     For GPT-3's shape (W = 12h²) this is 72·L·h²·(1 + s/(6h) + V/(12·L·h)) per token without recomputation, and
     Narayanan's 96·L·h²·(1 + s/(6h) + V/(16·L·h)) with full recomputation.
 
+    A mixture-of-experts shape counts the weights a token runs through (:attr:`ModelShape.active_matmul_params`:
+    attention, router, its top-k and the shared experts; Fedus 2022 §2: compute per token follows the active, not
+    the total, parameters), so MFU is measured against active FLOPs. The attention term is 2·s·(d_qk + d_v) with
+    the query/key and value widths summed over heads (4·s·h when both are h; MLA and an explicit head_dim differ).
+
     Args:
         shape: the model shape.
         seq: training sequence length s (tokens per sample).
@@ -28,12 +33,13 @@ def flops_per_token(shape: ModelShape, *, seq: int, recompute: Recompute = Recom
     """
     recompute = Recompute.parse(recompute, "recompute")
     L, h, V = shape.layers, shape.hidden, shape.vocab
-    layer_matmul = 2.0 * shape.matmul_params_per_block
-    attention = 4.0 * seq * h
-    forward = L * (layer_matmul + attention) + 2.0 * V * h
+    matmul = 2.0 * shape.active_matmul_params  # L x 2W for a dense shape
+    qk, v = shape.attention_core_widths
+    attention = 2.0 * seq * (qk + v)
+    forward = matmul + L * attention + 2.0 * V * h
     total = 3.0 * forward
     if recompute == Recompute.FULL:
-        total += L * (layer_matmul + attention)
+        total += matmul + L * attention
     elif recompute == Recompute.SELECTIVE:
         total += L * attention
     return total

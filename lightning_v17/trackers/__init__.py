@@ -6,6 +6,7 @@ One module per concern, each tested alone in tests/unit:
   :class:`lightning_v17.engine.precision.ShardedLossScaler`).
 - :mod:`.straggler`: windowed per-rank timing statistics (median / MAD) and patience-based flagging.
 - :mod:`.throughput`: tokens/s, FLOP/s and MFU arithmetic, and the cached CPU matmul peak probe.
+- :mod:`.moe`: per-expert load statistics of MoE layers and the router-collapse rule.
 - :mod:`.memory`: storage-deduplicated byte counts of params, grads and optimizer state; RSS helpers.
 """
 
@@ -22,6 +23,7 @@ from lightning_v17.trackers.memory import (
     reset_peak_rss,
     rss_bytes,
 )
+from lightning_v17.trackers.moe import CollapseEvent, ExpertLoadReport, ExpertLoadStats, ExpertLoadTracker, load_stats
 from lightning_v17.trackers.straggler import (
     MAD_TO_SIGMA,
     RankWindowStats,
@@ -44,6 +46,10 @@ __all__ = [
     "BadStepError",
     "BadStepTracker",
     "BadStepVerdict",
+    "CollapseEvent",
+    "ExpertLoadReport",
+    "ExpertLoadStats",
+    "ExpertLoadTracker",
     "GoodputBreakdown",
     "GoodputTracker",
     "LossScaleError",
@@ -57,6 +63,7 @@ __all__ = [
     "ThroughputStats",
     "ThroughputTracker",
     "bar_chart",
+    "load_stats",
     "mad",
     "measure_model_state",
     "median",

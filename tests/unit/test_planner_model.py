@@ -52,7 +52,8 @@ def test_preset_table_is_the_contract():
     assert (t.arch, t.layers, t.hidden, t.heads, t.kv_heads, t.ffn, t.vocab, t.seq, t.tie_embeddings) == (
         "llama", 80, 8192, 64, 8, 28672, 128256, 8192, False)
     assert t.rope_theta == 5e5
-    assert set(PRESETS) == {"tiny", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "gpt3-175b"}
+    assert set(PRESETS) == {"tiny", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "gpt3-175b", "tiny-moe",
+                            "mixtral-8x7b"}
     tiny = PRESETS["tiny"]
     assert (tiny.layers, tiny.hidden, tiny.heads, tiny.kv_heads, tiny.ffn, tiny.vocab, tiny.seq) == (
         4, 128, 8, 4, 384, 320, 512)

@@ -1,0 +1,194 @@
+"""The planner's inputs: what is trained (:class:`ModelSpec`), where (:class:`ClusterSpec`) and how
+(:class:`TrainSpec`). Torch-free; the CLI maps flags onto them and :func:`~lightning_v17.planner.plan.make_plan`
+resolves what they leave unset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_v17.config import (
+    FP8Recipe,
+    OptimizerKind,
+    Precision,
+    Recompute,
+    Schedule,
+    Tier,
+    V17ConfigError,
+    ZeroPolicy,
+)
+from lightning_v17.planner.hardware import Accelerator, get_accelerator
+from lightning_v17.planner.model import ModelShape
+from lightning_v17.planner.pipeline import OpTimes
+
+
+def _positive(name: str, value: Any, *, allow_none: bool = True, kind: type = int) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, kind) and not isinstance(value, bool) and value > 0
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if not ok:
+        raise V17ConfigError(f"{name}={value!r} must be a positive {'integer' if kind is int else 'number'}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What is trained: a full shape, or only a parameter count (model-state questions).
+
+    Args:
+        shape: the model shape (preset or explicit). None when only ``params`` is known.
+        params: parameter count, used when ``shape`` is None.
+        name: preset name or "custom", for the report.
+    """
+
+    shape: ModelShape | None = None
+    params: int | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.shape is None and self.params is None:
+            raise V17ConfigError("give a model: --model PRESET, the shape flags (--layers ... --vocab), or --params N")
+        _positive("params", self.params)
+
+    @property
+    def num_params(self) -> int:
+        return self.shape.num_params if self.shape is not None else int(self.params)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Where it is trained.
+
+    Args:
+        gpu: accelerator name in ``hardware.ACCELERATORS``.
+        gpus: world size (None: derived from dp, or one node).
+        gpus_per_node: devices per node (None: the accelerator's usual server).
+        pcie_gbps: host <-> device bandwidth per rank, GB/s (offload transfers).
+        nvme_gbps: NVMe bandwidth per rank, GB/s.
+        storage_gbps: checkpoint write bandwidth per node, GB/s.
+        node_mtbf_hours: mean time between failures of one node, hours. The default, 6000 h, is what Meta's
+            Llama 3 run saw (Dubey 2024 §3.3.4: 419 unexpected interruptions in 54 days on 16,384 GPUs, i.e. one per
+            ~50,700 GPU-hours, ~6,300 h per 8-GPU node).
+        memory_reserve: fraction of each device's memory the plan leaves free, in [0, 0.9]: what the buckets do not
+            count (the CUDA context, NCCL's communication buffers, the caching allocator's fragmentation and
+            whatever else a process holds). A plan "fits" when its device bytes stay within the rest
+            (:attr:`usable_memory_bytes`). Default 0.1: 8 GB of an 80 GB H100, about what a CUDA context
+            (~0.5-1 GB), NCCL buffers (~1-2 GB) and a few percent of fragmentation take. 0 plans to the last byte.
+    """
+
+    gpu: str = "h100-80gb"
+    gpus: int | None = None
+    gpus_per_node: int | None = None
+    pcie_gbps: float = 25.0
+    nvme_gbps: float = 3.0
+    storage_gbps: float = 5.0
+    node_mtbf_hours: float = 6000.0
+    memory_reserve: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.memory_reserve, (int, float)) and 0 <= self.memory_reserve <= 0.9):
+            raise V17ConfigError(f"memory_reserve={self.memory_reserve!r} must be a fraction in [0, 0.9]")
+        get_accelerator(self.gpu)
+        _positive("gpus", self.gpus)
+        _positive("gpus_per_node", self.gpus_per_node)
+        for name in ("pcie_gbps", "nvme_gbps", "storage_gbps", "node_mtbf_hours"):
+            _positive(name, getattr(self, name), allow_none=False, kind=float)
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return get_accelerator(self.gpu)
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """Device bytes a plan may use: the accelerator's memory less ``memory_reserve``."""
+        return int(self.accelerator.memory_bytes * (1.0 - self.memory_reserve))
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How it is trained. ``None`` means "let the planner choose" (decision tree, or the cheapest fit).
+
+    Args:
+        tp, pp, dp, cp: mesh sizes.
+        sp: sequence parallelism (None: on whenever tp > 1).
+        zero: the ZeRO policy (``v17 plan --zero-stage N`` is ``ZeroPolicy(stage=N)``).
+        optimizer: optimizer kind.
+        precision: training precision.
+        micro_batch: samples per micro-batch (b).
+        seq: training sequence length (None: the shape's ``seq``; 2048 with ``params`` only).
+        global_batch: samples per optimizer step, all replicas (G = dp·b·m).
+        microbatches: micro-batches per step per replica (m).
+        recompute: none/selective/full (None: the cheapest that fits).
+        schedule: pipeline schedule.
+        virtual_stages: model chunks per rank for interleaved/zero-bubble schedules.
+        offload_optimizer, offload_params: tiers.
+        fp8: the strategy's ``fp8`` recipe ("tensorwise", "rowwise", "delayed"; None: off, or "tensorwise" when
+            ``precision`` is "fp8"). It changes the saved activations (``delayed`` keeps float8 casts,
+            :func:`~lightning_v17.planner.memory.fp8_activation_delta_bytes_per_layer`) and, at ZeRO-3 with
+            ``tensorwise``, the all-gathered unit (its Linear weights travel in float8, 1 B each).
+        mfu: assumed MFU without bubble and recomputation, for the step-time estimate.
+        checkpoint_write_s: seconds to write a checkpoint (None: model state / storage bandwidth).
+        op_times: T_F, T_B, T_W of one micro-batch on one stage, with their coefficients of variation, for the
+            pipeline bubble simulation (``planner.pipeline.bubble_fraction``); None: the FLOP split
+            T_F = T_B = T_W and no jitter. Any unit; only the ratios and ``p2p_time`` relative to them matter.
+        p2p_time: one activation/gradient transfer between pipeline ranks, in the unit of ``op_times``.
+        ep: expert-parallel size of a MoE shape, folded out of ``dp`` (which it must divide, as must the experts);
+            None: the decision tree's when it recommends expert parallelism and the layout is data-parallel only,
+            else 1.
+    """
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    cp: int | None = None
+    sp: bool | None = None
+    zero: ZeroPolicy | None = None
+    optimizer: OptimizerKind = OptimizerKind.ADAMW
+    precision: Precision = Precision.BF16_MIXED
+    micro_batch: int = 1
+    seq: int | None = None
+    global_batch: int | None = None
+    microbatches: int | None = None
+    recompute: Recompute | None = None
+    schedule: Schedule | None = None
+    virtual_stages: int | None = None
+    offload_optimizer: Tier = Tier.NONE
+    offload_params: Tier = Tier.NONE
+    fp8: FP8Recipe | None = None
+    mfu: float = 0.5
+    checkpoint_write_s: float | None = None
+    op_times: OpTimes | None = None
+    p2p_time: float = 0.0
+    ep: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.p2p_time < 0:
+            raise ValueError(f"p2p_time={self.p2p_time} must be >= 0")
+        object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer))
+        object.__setattr__(self, "precision", Precision.parse(self.precision))
+        if self.fp8 is not None:
+            try:
+                object.__setattr__(self, "fp8", FP8Recipe(self.fp8))
+            except ValueError:
+                raise V17ConfigError(
+                    f"fp8={self.fp8!r}; choose one of {[r.value for r in FP8Recipe]} (or leave it unset)"
+                ) from None
+        elif self.precision == Precision.FP8:
+            object.__setattr__(self, "fp8", FP8Recipe.TENSORWISE)  # what an fp8 run of V17Strategy uses
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", Recompute.parse(self.recompute, "recompute"))
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", Schedule.parse(self.schedule, "schedule"))
+        object.__setattr__(self, "offload_optimizer", Tier.parse(self.offload_optimizer, "offload_optimizer"))
+        object.__setattr__(self, "offload_params", Tier.parse(self.offload_params, "offload_params"))
+        for name in ("tp", "pp", "dp", "cp", "seq", "global_batch", "microbatches", "virtual_stages", "ep"):
+            _positive(name, getattr(self, name))
+        _positive("micro_batch", self.micro_batch, allow_none=False)
+        if not 0 < self.mfu <= 1:
+            raise V17ConfigError(f"mfu={self.mfu!r} must be in (0, 1]")
+        _positive("checkpoint_write_s", self.checkpoint_write_s, kind=float)
+
+
+__all__ = ["ClusterSpec", "ModelSpec", "TrainSpec"]
