@@ -189,3 +189,17 @@ def hf_moe(family: str, *, seed: int = 0):
         raise ValueError(family)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg)
+
+
+def hf_moe_with(family: str, *, seed: int = 0, **config_overrides: Any):
+    """``hf_moe(family)``'s tiny config with ``config_overrides`` set on it (e.g. an intermediate size that is not
+    a multiple of 4), rebuilt from ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_moe(family, seed=seed).config
+    for key, value in config_overrides.items():
+        if not hasattr(cfg, key):
+            raise ValueError(f"{type(cfg).__name__} has no option {key!r}")
+        setattr(cfg, key, value)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg)
