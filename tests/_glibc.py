@@ -20,10 +20,13 @@ def mallinfo2() -> MallInfo2:
     return fn()
 
 
-def mapped_by(nbytes: int) -> int:
-    """Bytes malloc serves from their own mappings (mallinfo2's hblkhd) while a tensor of ``nbytes`` is alive."""
+def mapped_by(nbytes: int, count: int = 1) -> int:
+    """Bytes malloc serves from their own mappings (mallinfo2's hblkhd) while ``count`` tensors of ``nbytes`` each
+    are alive. malloc maps a request above its threshold only when no free chunk in its heap can serve it, and the
+    free chunks an import leaves differ from process to process: a size that such a chunk can hold (hundreds of KiB)
+    needs ``count`` > 1, so that most of the tensors are past what the heap has free."""
     m0 = mallinfo2().hblkhd
-    t = torch.empty(nbytes, dtype=torch.uint8)
+    ts = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
     m = mallinfo2().hblkhd - m0
-    del t
+    del ts
     return m
