@@ -8,7 +8,9 @@ collection, or before spawning ranks, still calls ``pytest.importorskip`` itself
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -203,3 +205,13 @@ def hf_moe_with(family: str, *, seed: int = 0, **config_overrides: Any):
         setattr(cfg, key, value)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg)
+
+
+@contextlib.contextmanager
+def stable_sort():
+    """``torch.sort`` stable while transformers' ``grouped_mm`` experts sort their rows by expert, as the engine's
+    dispatchers do: CPU GEMM kernels (AVX2's, not AVX-512's) round a row by its position in the batch, so only the
+    same row order within an expert gives the same bits."""
+    sort = torch.sort
+    with mock.patch.object(torch, "sort", lambda *a, **kw: sort(*a, **{**kw, "stable": True})):
+        yield

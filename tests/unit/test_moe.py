@@ -113,8 +113,8 @@ def test_moe_equals_a_per_token_loop(kw) -> None:
         params.append(m.shared_experts.w1.weight)
     grads = torch.autograd.grad(y, [x, *params], gy)
     ref = torch.autograd.grad(want, [x2, *params], gy)
-    for a, b in zip(grads, ref):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref):  # fp32 sums in another order: 1.5e-6 seen on AVX2 (cancelling terms)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_capacity_drops_the_late_assignments_of_each_sequence() -> None:
