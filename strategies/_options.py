@@ -31,8 +31,27 @@ from lightning_v17.config.deepspeed import from_deepspeed_config
 
 P = TypeVar("P")
 #: The policy arguments of V17Strategy and their classes (``fp8`` also takes a recipe string: build_fp8_policy).
-_POLICIES: dict[str, type] = {"zero": ZeroPolicy, "offload": OffloadPolicy, "pipeline": PipelinePolicy,
-                              "tensor_parallel": TPPolicy}  # fmt: skip
+_POLICIES: dict[str, type] = {"zero": ZeroPolicy, "offload": OffloadPolicy}
+#: The axes whose argument is a size or the axis's policy (with the size as its ``size`` field).
+_AXIS_POLICIES: dict[str, type] = {"pp": PipelinePolicy, "tp": TPPolicy}
+
+
+def axis_size(value: Any, cls: type, option: str) -> int:
+    """The size an axis argument gives: the int itself, or its policy's ``size`` (a dict in YAML)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    policy = axis_policy(value, cls, option)
+    assert policy is not None
+    return policy.size  # type: ignore[attr-defined]
+
+
+def axis_policy(value: Any, cls: type[P], option: str) -> P | None:
+    """The policy an axis argument gives; None for a plain size (not given: the config's, else the defaults)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None
+    if not isinstance(value, (cls, Mapping)):
+        raise V17ConfigError(f"{option}={value!r} must be a positive integer (its size) or {cls.__name__}(size=...)")
+    return as_policy(value, cls, option)
 
 
 def as_policy(value: Any, cls: type[P], option: str) -> P | None:
@@ -62,6 +81,7 @@ def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
     config = given["config"]
     base = from_deepspeed_config(config) if config is not None else TrainingPolicy()
     objs = {n: as_policy(given[n], cls, n) for n, cls in _POLICIES.items()}  # the policies given (None: not given)
+    objs |= {n: axis_policy(given[n], cls, n) for n, cls in _AXIS_POLICIES.items()}
     zero, stage = objs["zero"], given["zero_stage"]
     if zero is not None and stage is not None:
         raise V17ConfigError(
@@ -80,12 +100,12 @@ def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
         base,
         zero=zero,
         offload=offload,
-        pipeline=objs["pipeline"] or base.pipeline,
-        tensor_parallel=objs["tensor_parallel"] or base.tensor_parallel,
+        pipeline=replace(objs["pp"] or base.pipeline, size=axis_size(given["pp"], PipelinePolicy, "pp")),
+        tensor_parallel=replace(objs["tp"] or base.tensor_parallel, size=axis_size(given["tp"], TPPolicy, "tp")),
         recompute=base.recompute if recompute is None else Recompute.parse(recompute),
         fp8=build_fp8_policy(given["fp8"]),
     )
-    _warn_inapplicable(policy, objs, pp=given["pp"])
+    _warn_inapplicable(policy, objs, pp=policy.pipeline.size)
     return policy
 
 
@@ -147,7 +167,8 @@ def _show(name: str, value: Any) -> str:
 def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: int) -> None:
     """One warning per option that was set but cannot apply to this configuration (never silently ignored): the
     fields of each given policy (``objs``) that differ from that policy's own defaults."""
-    zero, pipeline, offload = (_changed(objs[n], _POLICIES[n]) for n in ("zero", "pipeline", "offload"))
+    zero, offload = (_changed(objs[n], _POLICIES[n]) for n in ("zero", "offload"))
+    pipeline = _changed(objs["pp"], PipelinePolicy)
     notes = []
     if policy.zero.shards_params:
         notes += [f"zero.{_show(n, zero[n])} applies to zero_stage 0-2 (FSDP2 reduces per unit at stage 3)"
@@ -156,7 +177,7 @@ def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: i
         notes += [f"zero.{n} applies to zero_stage=3 only (stages 0-2 keep whole parameters)"
                   for n in ("reshard_after_forward", "prefetch_units") if n in zero]  # fmt: skip
     if pp == 1:
-        notes += [f"pipeline.{_show(n, pipeline[n])} applies only with pp > 1"
+        notes += [f"pp.{_show(n, pipeline[n])} applies only with pp > 1"
                   for n in ("schedule", "microbatches", "virtual_stages") if n in pipeline]  # fmt: skip
     if "wrap_classes" in zero and not policy.zero.shards_params and policy.recompute == Recompute.NONE:
         notes.append("zero.wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")

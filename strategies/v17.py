@@ -68,11 +68,13 @@ _RUNS = itertools.count()  # one watchdog key space per setup; every rank runs t
 class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     """ZeRO-0/1/2/3 (and HSDP) x TP(+SP) x PP on a 5-axis device mesh, for any LightningModule, on CPU and GPU.
 
-    The arguments are the mesh's axis sizes, one policy object per concern, a DeepSpeed config and the process
-    group's settings. Each option is documented once, on its policy's field: :class:`~lightning_v17.config.ZeroPolicy`,
-    :class:`~lightning_v17.config.OffloadPolicy`, :class:`~lightning_v17.config.PipelinePolicy`,
-    :class:`~lightning_v17.config.TPPolicy` and :class:`~lightning_v17.config.FP8Policy`. In YAML a policy is the
-    mapping of its fields (``zero: {stage: 3, bucket_mb: 25}``). They become one
+    The arguments are the mesh's axis sizes (an axis with options takes its policy instead, the size inside:
+    ``tp=TPPolicy(size=2, sequence_parallel=True)``), one policy object per concern, a DeepSpeed config and the
+    process group's settings. Each option is documented once, on its policy's field:
+    :class:`~lightning_v17.config.ZeroPolicy`, :class:`~lightning_v17.config.OffloadPolicy`,
+    :class:`~lightning_v17.config.PipelinePolicy`, :class:`~lightning_v17.config.TPPolicy` and
+    :class:`~lightning_v17.config.FP8Policy`. In YAML a policy is the mapping of its fields (``zero: {stage: 3,
+    bucket_mb: 25}``, ``tp: {size: 8, sequence_parallel: true}``). They become one
     :class:`~lightning_v17.config.TrainingPolicy` (``strategy.policy``); after setup ``strategy.mesh`` is the live
     mesh and ``strategy.zero`` the applied ZeRO stage. Lightning's plumbing (accelerator, devices, cluster
     environment, checkpoint IO, precision plugin) is set by the Trainer, as for Lightning's ``ModelParallelStrategy``.
@@ -86,14 +88,12 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         activation_checkpointing: "none", "selective" or "full" (``Recompute``); None: the config's, else "none".
         dp_replicate: replicated data-parallel groups (HSDP's outer axis; HSDP when ``dp_shard`` > 1 too).
         dp_shard: ranks ZeRO partitions over; "auto" = world size / (pp * dp_replicate * cp * tp).
-        tp: tensor-parallel size (innermost mesh axis); its options are ``tensor_parallel``.
-        pp: pipeline-parallel stages (outermost mesh axis); its options are ``pipeline``; ZeRO stage 0/1 only.
+        tp: tensor-parallel size (innermost mesh axis), or :class:`~lightning_v17.config.TPPolicy` with its options.
+        pp: pipeline stages (outermost mesh axis), or :class:`~lightning_v17.config.PipelinePolicy`; ZeRO 0/1 only.
         cp: context-parallel size (reserved; must be 1).
         ep: expert-parallel size, folded out of ``dp_shard`` (:class:`~lightning_v17.config.MeshSpec`; ``engine/ep/``).
         zero: :class:`~lightning_v17.config.ZeroPolicy`; None: the config's section, with ``zero_stage`` if given.
         offload: :class:`~lightning_v17.config.OffloadPolicy` (cpu and nvme tiers); None: the config's, else none.
-        pipeline: :class:`~lightning_v17.config.PipelinePolicy` (schedule, micro-batches, chunks, split points).
-        tensor_parallel: :class:`~lightning_v17.config.TPPolicy` (plan; sequence, vocab and loss parallelism).
         fp8: :class:`~lightning_v17.config.FP8Policy`, or its recipe ("tensorwise", "rowwise", "delayed"); None: off.
         config: a DeepSpeed JSON config, dict or path (:func:`lightning_v17.config.deepspeed.from_deepspeed_config`).
         process_group_backend: "gloo" or "nccl"; None picks from the device.
@@ -109,14 +109,12 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         activation_checkpointing: str | None = None,
         dp_replicate: int = 1,
         dp_shard: int | str = "auto",
-        tp: int = 1,
-        pp: int = 1,
+        tp: int | TPPolicy = 1,
+        pp: int | PipelinePolicy = 1,
         cp: int = 1,
         ep: int = 1,
         zero: ZeroPolicy | None = None,
         offload: OffloadPolicy | None = None,
-        pipeline: PipelinePolicy | None = None,
-        tensor_parallel: TPPolicy | None = None,
         fp8: FP8Policy | str | None = None,
         config: str | Path | dict | None = None,
         process_group_backend: str | None = None,
@@ -125,6 +123,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     ) -> None:
         super().__init__()  # accelerator, devices, cluster environment, checkpoint IO, precision: set by the Trainer
         self.policy = build_policy(dict(locals()))
+        pp, tp = self.policy.pipeline.size, self.policy.tensor_parallel.size
         self._axes = check_axes(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
         check_composition(self.policy, pp=pp, tp=tp, ep=ep)  # every rule of config_rules, once
         self._process_group_backend, self._timeout = process_group_backend, timeout

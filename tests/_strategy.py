@@ -8,8 +8,8 @@ argument (the axis sizes, ``zero_stage``, ``activation_checkpointing``, ``config
   ``optimizer_partition``, ``meta_init`` -> ``zero=ZeroPolicy(...)``, with ``zero_stage`` as its ``stage`` (default 3);
   ``zero_stage`` alone stays the shortcut, so that a DeepSpeed ``config=``'s ZeRO section still applies;
 * ``offload_optimizer``, ``offload_params``, ``nvme_path``, ``offload_optimizer_ratio`` -> ``offload=OffloadPolicy``;
-* ``pp_schedule``, ``microbatches``, ``virtual_stages``, ``pp_split_points`` -> ``pipeline=PipelinePolicy(...)``;
-* ``tp_plan``, ``sequence_parallel``, ``vocab_parallel``, ``loss_parallel`` -> ``tensor_parallel=TPPolicy(...)``;
+* ``pp_schedule``, ``microbatches``, ``virtual_stages``, ``pp_split_points`` -> ``pp=PipelinePolicy(size=pp, ...)``;
+* ``tp_plan``, ``sequence_parallel``, ``vocab_parallel``, ``loss_parallel`` -> ``tp=TPPolicy(size=tp, ...)``;
 * ``fp8`` (the recipe) with ``fp8_backend``, ``fp8_skip``, ``fp8_all_gather``, ``fp8_amax_history_len`` ->
   ``fp8=FP8Policy.from_options(...)``, which also refuses those options without a recipe.
 
@@ -49,11 +49,13 @@ def policies(**flat: Any) -> dict[str, Any]:
         stage = kw.pop("zero_stage", None)
         zero = {k: v for k, v in zero.items() if v is not None} | ({} if stage is None else {"stage": stage})
         kw["zero"] = ZeroPolicy(**zero)
-    for names, into, cls in ((OFFLOAD, "offload", OffloadPolicy), (PIPELINE, "pipeline", PipelinePolicy),
-                             (TP, "tensor_parallel", TPPolicy)):  # fmt: skip
-        fields = take(names, into)
+    fields = take(OFFLOAD, "offload")
+    if fields:
+        kw["offload"] = OffloadPolicy(**fields)
+    for names, axis, cls in ((PIPELINE, "pp", PipelinePolicy), (TP, "tp", TPPolicy)):
+        fields = {field: kw.pop(name) for name, field in names.items() if name in kw}
         if fields:
-            kw[into] = cls(**fields)
+            kw[axis] = cls(size=kw.get(axis, 1), **fields)
     if any(n in kw for n in FP8):
         options = {n[len("fp8_") :]: kw.pop(n) for n in FP8 if n in kw}
         kw["fp8"] = FP8Policy.from_options(kw.pop("fp8", None), **options)

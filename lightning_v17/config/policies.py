@@ -196,9 +196,11 @@ class PipelinePolicy:
     """Pipeline parallelism, used when pp > 1 (Huang 2019 GPipe; Narayanan 2021 §2 1F1B and interleaving; Qi 2023
     zero bubble). The schedule then runs the model: ``training_step``/``validation_step``/``test_step`` are not
     called, ``pipeline_loss(logits, batch)`` is (default: token-mean cross-entropy against ``labels``); see
-    ``lightning_v17/strategies/_pipeline.py``. ZeRO stage 0/1 only.
+    ``lightning_v17/strategies/_pipeline.py``. ZeRO stage 0/1 only. ``V17Strategy(pp=2)`` is
+    ``V17Strategy(pp=PipelinePolicy(size=2))``.
 
     Args:
+        size: pipeline stages (pp, the outermost mesh axis).
         schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" (torch's interleaved zero bubble, ZB-1P on
             looped chunks), "zbv" (Qi 2023 §6, V-shaped chunks) or "zb_h1" (Qi 2023 §3.1: one stage per rank with
             the backward split into input and weight gradients); "zb_h2" is planned but not runnable.
@@ -209,12 +211,14 @@ class PipelinePolicy:
             LightningModule's ``pipeline_split_points()``, else blocks balanced by parameter count.
     """
 
+    size: int = 1
     schedule: Schedule | str = "1f1b"  # a plain default: the Lightning CLI prints it as written
     microbatches: int = 4
     virtual_stages: int = 1
     split_points: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        _check_positive_int("pp", self.size)
         object.__setattr__(self, "schedule", Schedule.parse(self.schedule))
         _check_positive_int("microbatches", self.microbatches)
         _check_positive_int("virtual_stages", self.virtual_stages)
@@ -232,8 +236,10 @@ class TPPolicy:
     The plan comes from ``plan``, else the LightningModule's ``configure_tensor_parallel(mesh)`` or ``tp_plan`` dict,
     else the model's own (Hugging Face ``base_model_tp_plan``, litgpt, torchtitan-style Llama;
     ``lightning_v17.models.tp_plans.resolve_tp_plan``). The three flags shape the model's own plan only.
+    ``V17Strategy(tp=2)`` is ``V17Strategy(tp=TPPolicy(size=2))``.
 
     Args:
+        size: tensor-parallel ranks (tp, the innermost mesh axis).
         plan: explicit plan ``{fqn: style}``; ``*`` matches one FQN component; styles "colwise", "rowwise",
             "colwise_rep", "rowwise_rep", "sequence_parallel", "replicate" (or a torch ``ParallelStyle``). A key
             matching no module is an error. None: the LightningModule's or the model's own plan.
@@ -248,12 +254,14 @@ class TPPolicy:
             ``LlamaLM``'s is). pp=1 only.
     """
 
+    size: int = 1
     plan: dict[str, str] | None = None
     sequence_parallel: bool = False
     vocab_parallel: bool = False
     loss_parallel: bool = False
 
     def __post_init__(self) -> None:
+        _check_positive_int("tp", self.size)
         for name in ("sequence_parallel", "vocab_parallel", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise V17ConfigError(f"{name}={getattr(self, name)!r} must be True or False")

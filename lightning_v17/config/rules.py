@@ -89,13 +89,14 @@ def _needs_axis(option: str, axis: str) -> Rule:
         return bool(getattr(getattr(lay.policy, policy), name)) and getattr(lay, axis) == 1
 
     value: Any = {"plan": {"x": "colwise"}, "split_points": ["x"]}.get(name, True)
+    front_door = {"tensor_parallel": "tp", "pipeline": "pp"}[policy]  # V17Strategy(tp=TPPolicy(...)) etc.
     return Rule(
         name=f"{option}_needs_{axis}",
         options=(option, axis),
         violated=violated,
         message=lambda lay: f"{option} applies only with {axis} > 1 (got {axis}=1)",
         fix=f"set {axis} or drop it",
-        example={policy: {name: value}},
+        example={front_door: {name: value}},
     )
 
 
@@ -179,7 +180,7 @@ RULES: tuple[Rule, ...] = (
             "last stage outside the strategy's loss_parallel() context"
         ),
         fix="use loss_parallel with pp=1, or drop it",
-        example={"tp": 2, "pp": 2, "zero_stage": 1, "tensor_parallel": {"loss_parallel": True}},
+        example={"pp": 2, "zero_stage": 1, "tp": {"size": 2, "loss_parallel": True}},
     ),
     *(
         Rule(

@@ -494,7 +494,7 @@ def resolve_tp_plan(
     if plan is None:
         raise V17ConfigError(
             f"tensor parallelism needs a plan and none was found for {type(module).__name__}: (1) pass "
-            f"V17Strategy(tensor_parallel=TPPolicy(plan={{fqn: style}})) (the engine's tp_plan=; e.g. "
+            f"V17Strategy(tp=TPPolicy(size=..., plan={{fqn: style}})) (the engine's tp_plan=; e.g. "
             f"{{'layers.*.attn.q_proj': 'colwise', ...}}), (2) give the "
             f"LightningModule a configure_tensor_parallel(self, mesh) method or a `tp_plan` dict, or (3) use a model "
             f"that supplies its own (Hugging Face base_model_tp_plan, litgpt GPT, torchtitan-style Llama)"

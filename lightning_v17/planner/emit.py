@@ -137,8 +137,8 @@ def _fields(policy: Any) -> dict[str, Any]:
 
 def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
     """V17Strategy's ``init_args`` for the plan's layout (only options the strategy accepts): the axis sizes and the
-    shortcuts, then the policy of each axis in use (``pipeline`` with pp > 1, ``tensor_parallel`` with tp > 1) and
-    of each offload tier the strategy can run here."""
+    shortcuts, an axis in use with options as its policy (``pp`` with pp > 1, ``tp`` with tp > 1, the size inside)
+    and each offload tier the strategy can run here."""
     lay = plan.layout
     if lay.cp != 1:
         raise V17ConfigError(f"--emit-config: cp={lay.cp}, but V17Strategy does not implement context parallelism "
@@ -152,10 +152,10 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
     if lay.ep > 1:
         args["ep"] = lay.ep  # MeshSpec.ep: the experts over ep ranks folded out of dp_shard
     if lay.pp > 1:
-        args["pipeline"] = _fields(PipelinePolicy(schedule=lay.schedule, microbatches=lay.microbatches,
-                                                  virtual_stages=lay.virtual_stages))  # fmt: skip
+        args["pp"] = _fields(PipelinePolicy(size=lay.pp, schedule=lay.schedule, microbatches=lay.microbatches,
+                                            virtual_stages=lay.virtual_stages))  # fmt: skip
     if lay.tp > 1:
-        args["tensor_parallel"] = _fields(TPPolicy(sequence_parallel=bool(lay.sp)))
+        args["tp"] = _fields(TPPolicy(size=lay.tp, sequence_parallel=bool(lay.sp)))
     offload: dict[str, Tier] = {}
     if lay.offload_optimizer == Tier.NONE:
         pass

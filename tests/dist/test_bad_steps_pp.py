@@ -54,7 +54,7 @@ def _worker(rank: int, world: int) -> dict:
     guard = BadStepGuard(action="skip", patience=1)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=STEPS,
-        strategy=V17Strategy(zero_stage=1, pp=2, pipeline=PipelinePolicy(microbatches=2)),
+        strategy=V17Strategy(zero_stage=1, pp=PipelinePolicy(size=2, microbatches=2)),
         callbacks=[guard, Record()], logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip

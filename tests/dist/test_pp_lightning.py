@@ -80,7 +80,7 @@ def _worker(rank: int, world: int) -> dict:
             hooks.append(("after_backward", with_grad))
 
     strategy = V17Strategy(
-        zero_stage=1, pp=2, pipeline=PipelinePolicy(schedule="zbv", virtual_stages=2, microbatches=4)
+        zero_stage=1, pp=PipelinePolicy(size=2, schedule="zbv", virtual_stages=2, microbatches=4)
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -123,7 +123,7 @@ def _worker(rank: int, world: int) -> dict:
         L.Trainer(
             accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-            strategy=V17Strategy(zero_stage=1, pp=2, pipeline=PipelinePolicy(schedule="1f1b", microbatches=2)),
+            strategy=V17Strategy(zero_stage=1, pp=PipelinePolicy(size=2, schedule="1f1b", microbatches=2)),
         ).fit(manual, torch.utils.data.DataLoader(_Rows(), batch_size=4))
     except Exception as e:  # noqa: BLE001
         errors["manual"] = f"{type(e).__name__}: {e}"

@@ -238,11 +238,11 @@ def test_strategy_errors_name_the_option_and_the_fix() -> None:
     for option in ({"sequence_parallel": True}, {"plan": {"model.x": "colwise"}}, {"vocab_parallel": True},
                    {"loss_parallel": True}):  # accepted but unusable  # fmt: skip
         with pytest.raises(V17ConfigError, match="applies only with tp > 1"):
-            V17Strategy(tensor_parallel=TPPolicy(**option))
+            V17Strategy(tp=TPPolicy(**option))
     with pytest.raises(V17ConfigError, match="applies only with pp > 1"):
-        V17Strategy(pipeline=PipelinePolicy(split_points=["model.layers.2"]))
+        V17Strategy(pp=PipelinePolicy(split_points=["model.layers.2"]))
     with pytest.raises(V17ConfigError, match=r"loss_parallel=True with pp=2 is not supported.*use loss_parallel with pp=1"):
-        V17Strategy(pp=2, tp=2, zero_stage=1, tensor_parallel=TPPolicy(loss_parallel=True))
+        V17Strategy(pp=2, zero_stage=1, tp=TPPolicy(size=2, loss_parallel=True))
 
 
 @pytest.mark.timeout(400)

@@ -127,7 +127,7 @@ def _pipeline_job(root: Path, raise_at: int, attempt: int) -> None:
     module.pipeline_loss = pipeline_loss
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=STEPS,
-        strategy=V17Strategy(zero_stage=1, pp=2, pipeline=PipelinePolicy(microbatches=2)),
+        strategy=V17Strategy(zero_stage=1, pp=PipelinePolicy(size=2, microbatches=2)),
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(module, datamodule=PackedDataModule(documents(), seq_len=SEQ, batch_size=2))  # rows of one length

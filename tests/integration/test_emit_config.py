@@ -119,12 +119,12 @@ def test_interleaved_and_accumulation_details(tmp_path):
     _, doc = _emit(tmp_path, ["--model", "llama3-70b", "--gpus", "256", "--tp", "4", "--pp", "4", "--schedule",
                               "interleaved", "--microbatches", "8"])  # fmt: skip
     args = doc["trainer"]["strategy"]["init_args"]
-    pipe = args["pipeline"]
-    assert (pipe["schedule"], pipe["virtual_stages"], pipe["microbatches"]) == ("interleaved_1f1b", 2, 8)
+    pipe = args["pp"]
+    assert (pipe["size"], pipe["schedule"], pipe["virtual_stages"], pipe["microbatches"]) == (4, "interleaved_1f1b", 2, 8)
     assert doc["data"]["batch_size"] == 8 and "accumulate_grad_batches" not in doc["trainer"]
     _, doc = _emit(tmp_path, ["--model", "llama3-8b", "--gpus", "16", "--global-batch", "64"])
     assert doc["trainer"]["accumulate_grad_batches"] == 4 and doc["data"]["batch_size"] == 1
-    assert "pipeline" not in doc["trainer"]["strategy"]["init_args"]  # pp=1: the strategy would warn
+    assert doc["trainer"]["strategy"]["init_args"]["pp"] == 1  # pp=1: a plain size (options would warn)
 
 
 @pytest.mark.parametrize(

@@ -43,8 +43,9 @@ def test_the_front_door_is_axes_policies_and_the_process_group():
     names = [n for n in params if n != "self"]
     assert names == [
         "zero_stage", "activation_checkpointing", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero", "offload",
-        "pipeline", "tensor_parallel", "fp8", "config", "process_group_backend", "timeout", "hang_timeout",
+        "fp8", "config", "process_group_backend", "timeout", "hang_timeout",
     ]  # fmt: skip
+    assert len(names) <= 16
     assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params.values())
     # Lightning's plumbing is set by the Trainer's accelerator connector through the property setters
     import torch
@@ -62,15 +63,21 @@ def test_policy_objects_and_their_dicts_are_accepted_and_the_shortcuts_equal_the
     with pytest.raises(V17ConfigError, match="pp=2 with zero_stage=2"):  # a policy object is validated the same
         _strategy(zero=ZeroPolicy(stage=2), pp=2)
     objs = _strategy(
-        zero=ZeroPolicy(stage=1, bucket_mb=8.0), pp=2,
-        pipeline=PipelinePolicy(schedule="gpipe", microbatches=8, split_points=("x",)),
+        zero=ZeroPolicy(stage=1, bucket_mb=8.0),
+        pp=PipelinePolicy(size=2, schedule="gpipe", microbatches=8, split_points=("x",)),
     )  # fmt: skip
     dicts = _strategy(  # the YAML spelling: the mapping of the policy's fields
-        zero={"stage": 1, "bucket_mb": 8.0}, pp=2,
-        pipeline={"schedule": "gpipe", "microbatches": 8, "split_points": ["x"]},
+        zero={"stage": 1, "bucket_mb": 8.0},
+        pp={"size": 2, "schedule": "gpipe", "microbatches": 8, "split_points": ["x"]},
     )  # fmt: skip
     assert objs.policy == dicts.policy
     assert objs.policy.zero.stage == 1 and objs.policy.pipeline.schedule == Schedule.GPIPE
+    assert objs._axes["pp"] == 2 and _strategy(zero_stage=1, pp=2).policy.pipeline == PipelinePolicy(size=2)
+    assert _strategy(tp=TPPolicy(size=2, sequence_parallel=True), zero_stage=1)._axes["tp"] == 2
+    with pytest.raises(V17ConfigError, match=r"tp='2' must be a positive integer \(its size\) or TPPolicy"):
+        _strategy(tp="2")
+    with pytest.raises(V17ConfigError, match="pp=0 must be a positive integer"):
+        _strategy(pp=PipelinePolicy(size=0))
     assert _strategy(zero_stage=1).policy.zero == ZeroPolicy(stage=1)  # the shortcut
     assert _strategy(offload=OffloadPolicy(params="cpu")).policy.offload.params.value == "cpu"
     assert _strategy(fp8="rowwise").policy.fp8 == _strategy(fp8=FP8Policy(recipe="rowwise")).policy.fp8
@@ -102,12 +109,12 @@ def test_given_beats_config_and_config_beats_default_and_a_policy_wins_as_a_whol
 
 def test_options_that_cannot_apply_are_refused():
     with pytest.raises(V17ConfigError, match="sequence_parallel applies only with tp > 1"):
-        _strategy(tensor_parallel=TPPolicy(sequence_parallel=True))
+        _strategy(tp=TPPolicy(sequence_parallel=True))
     with pytest.raises(V17ConfigError, match="tp_plan applies only with tp > 1"):
-        _strategy(tensor_parallel=TPPolicy(plan={"model.layers.*.mlp.up_proj": "colwise"}))
+        _strategy(tp=TPPolicy(plan={"model.layers.*.mlp.up_proj": "colwise"}))
     with pytest.raises(V17ConfigError, match="pp_split_points applies only with pp > 1"):
-        _strategy(pipeline=PipelinePolicy(split_points=["model.layers.2"]))
-    s = _strategy(tp=2, zero_stage=1, tensor_parallel=TPPolicy(plan={"model.layers.*.mlp.up_proj": "colwise"}))
+        _strategy(pp=PipelinePolicy(split_points=["model.layers.2"]))
+    s = _strategy(zero_stage=1, tp=TPPolicy(size=2, plan={"model.layers.*.mlp.up_proj": "colwise"}))
     assert s.policy.tensor_parallel.plan == {"model.layers.*.mlp.up_proj": "colwise"}
     with pytest.raises(V17ConfigError, match="sequence_parallel=1 must be True or False"):
         TPPolicy(sequence_parallel=1)
@@ -148,11 +155,11 @@ def test_options_set_but_inapplicable_warn_once_each():
     msgs = _warnings(
         lambda: _strategy(
             zero=ZeroPolicy(stage=3, bucket_mb=8.0, optimizer_partition="params"),
-            pipeline=PipelinePolicy(microbatches=8),
+            pp=PipelinePolicy(microbatches=8),
         ),
         lambda: _strategy(zero=ZeroPolicy(stage=1, reshard_after_forward=True)),
         lambda: _strategy(zero_stage=3),  # nothing set: no warning
-        lambda: _strategy(zero=ZeroPolicy(stage=3), pipeline=PipelinePolicy()),  # only defaults: no warning
+        lambda: _strategy(zero=ZeroPolicy(stage=3), pp=PipelinePolicy()),  # only defaults: no warning
     )
     assert len(msgs) == 4, msgs
     assert any("bucket_mb=8.0 applies to zero_stage 0-2" in m for m in msgs)
@@ -195,7 +202,7 @@ def test_missing_ckpt_path_says_it_does_not_exist(tmp_path):
 
 def test_microbatches_torch_cannot_schedule_are_refused_at_construction():
     def pipe(pp, **kw):
-        return _strategy(pp=pp, zero_stage=1, pipeline=PipelinePolicy(**kw))
+        return _strategy(zero_stage=1, pp=PipelinePolicy(size=pp, **kw))
 
     with pytest.raises(V17ConfigError, match=r"microbatches=2 < pp=4; set microbatches >= 4"):
         pipe(4, schedule="1f1b", microbatches=2)
