@@ -87,6 +87,18 @@ class MeshRuntime:
     def group(self, axis: str | Axis):
         return self[axis].get_group()
 
+    @property
+    def zero_axis(self) -> str:
+        """The axis ZeRO partitions over: ``dp_shard``, or ``dp_shard_cp`` with cp > 1 (the cp ranks' gradients
+        are reduced with the data-parallel ones)."""
+        return "dp_shard_cp" if self.spec.cp > 1 else "dp_shard"
+
+    @property
+    def replica_axis(self) -> str:
+        """The ranks that hold whole replicas at stages 0-2: ``dp``, or ``dp_shard_cp`` with cp > 1 (cp needs
+        dp_replicate = 1)."""
+        return "dp_shard_cp" if self.spec.cp > 1 else "dp"
+
 
 class UnsetMesh:
     """Placeholder until ``setup_environment`` runs: any use raises an error that says so."""

@@ -45,6 +45,16 @@ class WorldCollectives:
     """Mixed into V17Strategy ahead of ``ParallelStrategy``: collectives over the whole world, for Lightning."""
 
     root_device: torch.device
+    _process_group_backend: str | None
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning asks this of custom strategies to decide on a DistributedSampler (it knows only its own)."""
+        return True
 
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():

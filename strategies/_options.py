@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from lightning_v17.config import (
+    CPPolicy,
     FP8Policy,
     MeshSpec,
     OffloadPolicy,
@@ -33,7 +34,7 @@ P = TypeVar("P")
 #: The policy arguments of V17Strategy and their classes (``fp8`` also takes a recipe string: build_fp8_policy).
 _POLICIES: dict[str, type] = {"zero": ZeroPolicy, "offload": OffloadPolicy}
 #: The axes whose argument is a size or the axis's policy (with the size as its ``size`` field).
-_AXIS_POLICIES: dict[str, type] = {"pp": PipelinePolicy, "tp": TPPolicy}
+_AXIS_POLICIES: dict[str, type] = {"pp": PipelinePolicy, "tp": TPPolicy, "cp": CPPolicy}
 
 
 def axis_size(value: Any, cls: type, option: str) -> int:
@@ -102,6 +103,7 @@ def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
         offload=offload,
         pipeline=replace(objs["pp"] or base.pipeline, size=axis_size(given["pp"], PipelinePolicy, "pp")),
         tensor_parallel=replace(objs["tp"] or base.tensor_parallel, size=axis_size(given["tp"], TPPolicy, "tp")),
+        context=replace(objs["cp"] or base.context, size=axis_size(given["cp"], CPPolicy, "cp")),
         recompute=base.recompute if recompute is None else Recompute.parse(recompute),
         fp8=build_fp8_policy(given["fp8"]),
     )
@@ -135,7 +137,7 @@ def check_axes(*, pp: int, dp_replicate: int, dp_shard: int | str, cp: int, tp: 
     """Validate the fixed axis sizes now (a typo fails at construction, not after launch); the axes as a dict.
 
     Raises:
-        V17ConfigError: a size that is not a positive integer, cp != 1, a bad ``dp_shard``, or an ``ep`` that a
+        V17ConfigError: a size that is not a positive integer, a bad ``dp_shard``, or an ``ep`` that a
             given ``dp_shard`` is not a multiple of.
     """
     MeshSpec(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)
@@ -168,7 +170,7 @@ def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: i
     """One warning per option that was set but cannot apply to this configuration (never silently ignored): the
     fields of each given policy (``objs``) that differ from that policy's own defaults."""
     zero, offload = (_changed(objs[n], _POLICIES[n]) for n in ("zero", "offload"))
-    pipeline = _changed(objs["pp"], PipelinePolicy)
+    pipeline, context = _changed(objs["pp"], PipelinePolicy), _changed(objs["cp"], CPPolicy)
     notes = []
     if policy.zero.shards_params:
         notes += [f"zero.{_show(n, zero[n])} applies to zero_stage 0-2 (FSDP2 reduces per unit at stage 3)"
@@ -179,6 +181,9 @@ def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: i
     if pp == 1:
         notes += [f"pp.{_show(n, pipeline[n])} applies only with pp > 1"
                   for n in ("schedule", "microbatches", "virtual_stages") if n in pipeline]  # fmt: skip
+    if policy.context.size == 1:
+        notes += [f"cp.{_show(n, context[n])} applies only with cp > 1"
+                  for n in ("mode", "balance", "chunks_per_rank") if n in context]  # fmt: skip
     if "wrap_classes" in zero and not policy.zero.shards_params and policy.recompute == Recompute.NONE:
         notes.append("zero.wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")
     if "nvme_path" in offload and Tier.NVME not in (policy.offload.optimizer, policy.offload.params):

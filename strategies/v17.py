@@ -29,6 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from lightning_v17.strategies import _pipeline, _precision
 from lightning_v17.strategies._checkpoint import ShardedCheckpoints
 from lightning_v17.strategies._collectives import WorldCollectives, init_world
+from lightning_v17.strategies._context import ContextSteps, check_context_parallel_model
 from lightning_v17.strategies._options import (
     apply_config_to_trainer,
     build_policy,
@@ -43,6 +44,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_v17.config import (
+    CPPolicy,
     FP8Policy,
     MeshSpec,
     OffloadPolicy,
@@ -65,7 +67,7 @@ if TYPE_CHECKING:
 _RUNS = itertools.count()  # one watchdog key space per setup; every rank runs the same sequence of fits
 
 
-class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
+class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     """ZeRO-0/1/2/3 (and HSDP) x TP(+SP) x PP on a 5-axis device mesh, for any LightningModule, on CPU and GPU.
 
     The arguments are the mesh's axis sizes (an axis with options takes its policy instead, the size inside:
@@ -90,7 +92,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         dp_shard: ranks ZeRO partitions over; "auto" = world size / (pp * dp_replicate * cp * tp).
         tp: tensor-parallel size (innermost mesh axis), or :class:`~lightning_v17.config.TPPolicy` with its options.
         pp: pipeline stages (outermost mesh axis), or :class:`~lightning_v17.config.PipelinePolicy`; ZeRO 0/1 only.
-        cp: context-parallel size (reserved; must be 1).
+        cp: context-parallel size (each row's sequence split over cp ranks), or :class:`~lightning_v17.config.CPPolicy`.
         ep: expert-parallel size, folded out of ``dp_shard`` (:class:`~lightning_v17.config.MeshSpec`; ``engine/ep/``).
         zero: :class:`~lightning_v17.config.ZeroPolicy`; None: the config's section, with ``zero_stage`` if given.
         offload: :class:`~lightning_v17.config.OffloadPolicy` (cpu and nvme tiers); None: the config's, else none.
@@ -111,7 +113,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         dp_shard: int | str = "auto",
         tp: int | TPPolicy = 1,
         pp: int | PipelinePolicy = 1,
-        cp: int = 1,
+        cp: int | CPPolicy = 1,
         ep: int = 1,
         zero: ZeroPolicy | None = None,
         offload: OffloadPolicy | None = None,
@@ -123,9 +125,9 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     ) -> None:
         super().__init__()  # accelerator, devices, cluster environment, checkpoint IO, precision: set by the Trainer
         self.policy = build_policy(dict(locals()))
-        pp, tp = self.policy.pipeline.size, self.policy.tensor_parallel.size
+        pp, tp, cp = self.policy.pipeline.size, self.policy.tensor_parallel.size, self.policy.context.size
         self._axes = check_axes(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
-        check_composition(self.policy, pp=pp, tp=tp, ep=ep)  # every rule of config_rules, once
+        check_composition(self.policy, pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate)  # config/rules.py
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._hang_timeout = check_hang_timeout(hang_timeout)
         self._watchdog: StepWatchdog | None = None
@@ -182,11 +184,6 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def is_distributed(self) -> bool:
-        """Lightning asks this of custom strategies to decide on a DistributedSampler (it knows only its own)."""
-        return True
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp = self.mesh["dp"]
@@ -201,10 +198,6 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         warn_checkpoint_io(io)  # the Trainer's plugins=[CheckpointIO]: unused, sharded checkpoints are written here
         self._checkpoint_io = io
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     # ------------------------------------------------------------------ launch and environment
     @override
@@ -296,6 +289,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
             if spec.pp > 1:
                 pipeline, layout, loss_fn = _pipeline.pipeline_options(model, policy.pipeline)
                 policy = replace(policy, pipeline=pipeline)
+            check_context_parallel_model(model, spec.cp)
         param_dtype, reduce_dtype = mixed_precision_dtypes(self.precision_plugin.precision)
         self._parallel = parallelize(
             model, mesh=self.mesh, policy=policy, device=self.root_device, tp_plan=tp_plan, pp_layout=layout,
@@ -389,7 +383,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
         if self._pipelined():
             return closure_loss.detach()  # the pipeline schedule already ran backward (NeMo's skip-backward)
         with self._watch("backward"), self._loss_parallel(), self.zero.backward_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            return super().backward(self.scale_loss(closure_loss), optimizer, *args, **kwargs)
 
     @contextmanager
     def _watch(self, phase: str) -> Generator[None, None, None]:
@@ -437,6 +431,7 @@ class V17Strategy(WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()  # fit ended (or raised): a peer's later failure must not end this process
+        self.clear_context()
         if self._pipelined() and self._lightning_module is not None:
             trainer = getattr(self._lightning_module, "_trainer", None)
             if trainer is not None:

@@ -11,11 +11,22 @@ tensor dimension.
 from __future__ import annotations
 
 from lightning_v17.config.deepspeed import DEEPSPEED_NO_EFFECT_KEYS, DEEPSPEED_SUPPORTED_KEYS, from_deepspeed_config
-from lightning_v17.config.enums import Axis, HostMemory, OptimizerKind, Precision, Recompute, Schedule, Tier
+from lightning_v17.config.enums import (
+    Axis,
+    CPBalance,
+    CPMode,
+    HostMemory,
+    OptimizerKind,
+    Precision,
+    Recompute,
+    Schedule,
+    Tier,
+)
 from lightning_v17.config.errors import V17ConfigError, parse_enum
 from lightning_v17.config.fp8 import FP8Backend, FP8Policy, FP8Recipe
 from lightning_v17.config.mesh_spec import AXIS_ORDER, MeshSpec, check_tp_divides, divisors
 from lightning_v17.config.policies import (
+    CPPolicy,
     LossScalePolicy,
     OffloadPolicy,
     PipelinePolicy,
@@ -29,6 +40,9 @@ __all__ = [
     "DEEPSPEED_NO_EFFECT_KEYS",
     "DEEPSPEED_SUPPORTED_KEYS",
     "Axis",
+    "CPBalance",
+    "CPMode",
+    "CPPolicy",
     "FP8Backend",
     "FP8Policy",
     "FP8Recipe",

@@ -37,6 +37,32 @@ class Recompute(StrEnum):
         return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
+class CPMode(StrEnum):
+    """The attention scheme under cp > 1 (``CPPolicy.mode``); ``auto`` takes the one that sends fewer elements."""
+
+    AUTO = "auto"
+    ULYSSES = "ulysses"
+    ALLGATHER = "allgather"
+
+    @classmethod
+    def parse(cls, value: Any, option: str = "cp.mode") -> CPMode:
+        if isinstance(value, str) and value.strip().lower() == "ring":
+            raise V17ConfigError(f"{option}='ring' (ring attention) is not built; use 'ulysses' or 'allgather'")
+        return parse_enum(cls, value, option=option)  # type: ignore[return-value]
+
+
+class CPBalance(StrEnum):
+    """How a row's chunks are assigned to the cp ranks (``CPPolicy.balance``)."""
+
+    NONE = "none"
+    HEAD_TAIL = "head_tail"
+    PACKED = "packed"
+
+    @classmethod
+    def parse(cls, value: Any, option: str = "cp.balance") -> CPBalance:
+        return parse_enum(cls, value, option=option)  # type: ignore[return-value]
+
+
 class Schedule(StrEnum):
     """Pipeline schedules (design §10)."""
 

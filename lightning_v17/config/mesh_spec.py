@@ -28,7 +28,8 @@ class MeshSpec:
         pp: pipeline-parallel stages (outermost axis).
         dp_replicate: replicated data-parallel groups (HSDP's outer axis; plain DDP when dp_shard is 1).
         dp_shard: sharded data-parallel group size (ZeRO/FSDP partitions over this axis).
-        cp: context-parallel size (reserved; must be 1 today).
+        cp: context-parallel size: each row's sequence is split over cp ranks (``CPPolicy``); ZeRO shards over
+            dp_shard x cp (torchtitan's ``dp_shard_cp``), and a cp group trains on one data-parallel rank's batch.
         tp: tensor-parallel size (innermost axis).
         ep: expert-parallel size: MoE layers' experts are sharded over ``ep`` ranks, folded out of ``dp_shard``
             (torchtitan's sparse mesh, Megatron-core's parallel folding): ``dp_shard = efsdp x ep`` with ``ep``
@@ -46,8 +47,6 @@ class MeshSpec:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_positive_int(f.name, getattr(self, f.name))
-        if self.cp != 1:
-            raise V17ConfigError(f"cp={self.cp} is not implemented yet; set cp=1 (context parallelism is planned)")
         if self.dp_shard % self.ep:
             raise V17ConfigError(
                 f"ep={self.ep} is folded out of the dp_shard={self.dp_shard} data-parallel ranks and must divide it; "

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lightning_v17.config.enums import HostMemory, Precision, Recompute, Schedule, Tier
+from lightning_v17.config.enums import CPBalance, CPMode, HostMemory, Precision, Recompute, Schedule, Tier
 from lightning_v17.config.errors import V17ConfigError, parse_enum
 from lightning_v17.config.fp8 import FP8Policy
 from lightning_v17.config.mesh_spec import _check_positive_int
@@ -274,6 +274,38 @@ class TPPolicy:
 
 
 @dataclass(frozen=True)
+class CPPolicy:
+    """Context parallelism, used when cp > 1: every row's sequence dim is split over the cp ranks, which run
+    attention over the whole rows together (DeepSpeed Ulysses; the Llama-3 all-gathered K/V). Labels are the
+    batch's, already shifted (the data pipeline shifts before the split, so no target is lost at a shard boundary);
+    position ids stay global; the loss is divided once by the global token count. ``lightning_v17/engine/cp/``.
+    ``V17Strategy(cp=2)`` is ``V17Strategy(cp=CPPolicy(size=2))``.
+
+    Args:
+        size: context-parallel ranks (cp, between dp_shard and tp in the mesh); ZeRO shards over dp_shard x cp.
+        mode: "ulysses" (an all-to-all from sequence- to head-sharded q/k/v and back; cp must divide the query
+            heads and divide or be a multiple of the KV heads), "allgather" (K/V all-gathered, their gradients
+            reduce-scattered; any cp) or "auto" (ulysses where the heads allow it and it sends fewer elements).
+            "ring" is not built.
+        balance: "head_tail" (rank r holds chunks r and 2cp-1-r of every row: equal causal work), "packed"
+            (chunks assigned by the attention work of the packed documents in them, max/mean <= 1.05) or "none"
+            (contiguous). The sequence length must be a multiple of cp, 2cp or ``chunks_per_rank`` x cp.
+        chunks_per_rank: chunks per rank of the "packed" assignment (more: finer balance, shorter chunks).
+    """
+
+    size: int = 1
+    mode: CPMode | str = "auto"
+    balance: CPBalance | str = "head_tail"
+    chunks_per_rank: int = 8
+
+    def __post_init__(self) -> None:
+        _check_positive_int("cp", self.size)
+        object.__setattr__(self, "mode", CPMode.parse(self.mode))
+        object.__setattr__(self, "balance", CPBalance.parse(self.balance))
+        _check_positive_int("chunks_per_rank", self.chunks_per_rank)
+
+
+@dataclass(frozen=True)
 class LossScalePolicy:
     """fp16 dynamic loss scaling (design §13; DeepSpeed's fp16 block).
 
@@ -328,6 +360,7 @@ class TrainingPolicy:
             accumulation x data-parallel ranks at the first training batch.
         precision: precision from a DeepSpeed config (None: use the Trainer's ``precision=``).
         fp8: float8 matmuls in the blocks' Linears (:class:`FP8Policy`); None: off.
+        context: context-parallel options (:class:`CPPolicy`; used when cp > 1).
     """
 
     zero: ZeroPolicy = field(default_factory=ZeroPolicy)
@@ -342,6 +375,7 @@ class TrainingPolicy:
     train_batch_size: int | None = None
     precision: Precision | None = None
     fp8: FP8Policy | None = None
+    context: CPPolicy = field(default_factory=CPPolicy)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))

@@ -28,12 +28,16 @@ class Layout:
         pp: pipeline stages.
         tp: tensor-parallel size.
         ep: expert-parallel size (folded out of dp_shard).
+        cp: context-parallel size.
+        dp_replicate: replicated data-parallel groups (HSDP's outer axis).
     """
 
     policy: Any
     pp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
+    dp_replicate: int = 1
 
     @property
     def stage(self) -> int:
@@ -197,6 +201,22 @@ RULES: tuple[Rule, ...] = (
         for axis, what in (("pp", "MoE blocks inside pipeline stages are planned"),
                            ("tp", "attention tensor-parallel beside expert-parallel experts is planned"))
     ),
+    *(
+        Rule(
+            name=f"cp_without_{axis}",
+            options=("cp", axis),
+            violated=(lambda lay, axis=axis: lay.cp > 1 and getattr(lay, axis) > 1),
+            message=(lambda lay, axis=axis, what=what: (
+                f"cp={lay.cp} with {axis}={getattr(lay, axis)} is not implemented yet ({what})"
+            )),
+            fix=f"use cp with {axis}=1, or cp=1",
+            example={"cp": 2, axis: 2, "zero_stage": 1},
+        )
+        for axis, what in (("pp", "the pipeline schedule's micro-batches are not split along the sequence"),
+                           ("tp", "the attention heads would be split over tp and cp together"),
+                           ("ep", "the cp ranks would need the MoE dispatch over their shared batch"),
+                           ("dp_replicate", "ZeRO over dp_shard x cp is one flat group; HSDP beside it is planned"))
+    ),
     Rule(
         name="ep_without_offload",
         options=("ep", "offload"),
@@ -217,12 +237,12 @@ def violations(layout: Layout) -> list[tuple[Rule, str]]:
     return [(rule, rule.text(layout)) for rule in RULES if rule.violated(layout)]
 
 
-def check(policy: Any, *, pp: int = 1, tp: int = 1, ep: int = 1) -> None:
+def check(policy: Any, *, pp: int = 1, tp: int = 1, ep: int = 1, cp: int = 1, dp_replicate: int = 1) -> None:
     """Raise for the first rule the policy and axis sizes violate.
 
     Raises:
         V17ConfigError: the rule's message and fix, naming the options.
     """
-    found = violations(Layout(policy, pp=pp, tp=tp, ep=ep))
+    found = violations(Layout(policy, pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate))
     if found:
         raise V17ConfigError(found[0][1])

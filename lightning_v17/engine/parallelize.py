@@ -80,14 +80,16 @@ class Parallelized:
     ep: ExpertParallel | None = None
 
 
-def check_composition(policy: TrainingPolicy, *, pp: int, tp: int, ep: int = 1) -> None:
+def check_composition(
+    policy: TrainingPolicy, *, pp: int, tp: int, ep: int = 1, cp: int = 1, dp_replicate: int = 1
+) -> None:
     """The combinations of options that cannot work, refused before any process touches the model: every rule of
     :mod:`lightning_v17.config.rules`, then the pipeline schedule's own limits.
 
     Raises:
         V17ConfigError: naming the option and the fix.
     """
-    check_rules(policy, pp=pp, tp=tp, ep=ep)
+    check_rules(policy, pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate)
     if pp > 1:
         from lightning_v17.config.schedules import schedule_info
 
@@ -156,8 +158,8 @@ def apply_zero_stage(
         module,
         stage=z.stage,
         engine=engine,
-        shard_group=mesh.group("dp_shard"),
-        shard_size=mesh.spec.dp_shard,
+        shard_group=mesh.group(mesh.zero_axis),
+        shard_size=mesh.spec.dp_shard * mesh.spec.cp,
         partition=z.optimizer_partition,
     )
 
@@ -208,7 +210,7 @@ def sync_replicas(module: nn.Module, *, mesh: MeshRuntime, backend: ZeroBackend)
     tensors = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
     experts = [t for t in tensors if is_expert_param(t)]  # different on each ep rank: one copy per edp rank
     tensors = [t for t in tensors if not is_expert_param(t)]
-    dp_axis = "dp_replicate" if backend.shards_params else "dp"
+    dp_axis = "dp_replicate" if backend.shards_params else mesh.replica_axis
     axes = [(dp_axis, tensors), ("tp", [t for t in tensors if not _tp_sharded(t)])]
     if experts and mesh.spec.edp > 1:
         axes.append(("edp", experts))
@@ -272,7 +274,7 @@ def parallelize(
         _attach_param_offload(module, done.zero, policy)  # again after a teardown brought the shards back
         return done
     spec = mesh.spec
-    check_composition(policy, pp=spec.pp, tp=spec.tp, ep=spec.ep)
+    check_composition(policy, pp=spec.pp, tp=spec.tp, ep=spec.ep, cp=spec.cp, dp_replicate=spec.dp_replicate)
     if spec.pp > 1 and pp_layout is None:
         raise V17ConfigError(
             f"pp={spec.pp} needs to know where to cut {type(module).__name__}: models shaped embedding -> blocks -> "

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_v17.engine.cp import current_cp_context
 from lightning_v17.models.attention import causal_attention, cu_seqlens_from_position_ids, varlen_attention
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.moe import MoE
@@ -81,8 +82,12 @@ class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; causal within each document of a packed row.
 
     The local head count is read from tensor shapes (``view(B, S, -1, head_dim)``), so column-parallel sharding of
-    ``wq``/``wk``/``wv`` (fewer local heads) works without touching this code.
+    ``wq``/``wk``/``wv`` (fewer local heads) works without touching this code. Under context parallelism (a
+    :func:`~lightning_v17.engine.cp.current_cp_context` set for the batch) the local tokens attend over the whole
+    rows through it, documents masked from the global positions.
     """
+
+    v17_context_parallel = True  # V17Strategy(cp > 1) accepts models whose attention reads the cp context
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -108,7 +113,12 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
-        if cu_seqlens is None:
+        cp = current_cp_context()
+        if cp is not None:
+            if p:
+                raise ValueError("attention dropout under context parallelism is not supported; set dropout=0")
+            out = cp.attention(q, k, v)
+        elif cu_seqlens is None:
             out = causal_attention(q, k, v, dropout_p=p)
         else:
             flat = (t.reshape(b * s, -1, self.head_dim) for t in (q, k, v))
@@ -196,7 +206,7 @@ class Llama(nn.Module):
         b, s = tokens.shape[:2]
         if position_ids is None:
             position_ids = torch.arange(s, device=tokens.device).expand(b, s)
-        elif cu_seqlens is None:
+        elif cu_seqlens is None and current_cp_context() is None:  # under cp the context holds the documents
             cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(position_ids)
             if cu_seqlens.numel() == b + 1:
                 cu_seqlens = max_seqlen = None  # one document per row: the plain causal path is the same, and faster

@@ -140,15 +140,14 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
     shortcuts, an axis in use with options as its policy (``pp`` with pp > 1, ``tp`` with tp > 1, the size inside)
     and each offload tier the strategy can run here."""
     lay = plan.layout
-    if lay.cp != 1:
-        raise V17ConfigError(f"--emit-config: cp={lay.cp}, but V17Strategy does not implement context parallelism "
-                             "yet (cp must be 1); plan without --cp")
     # The planner's ZeRO shards over the whole data-parallel degree (memory_for: shard = dp * cp), i.e. one dp_shard
     # axis and no replicated (HSDP) axis.
     args: dict[str, Any] = {
         "zero_stage": lay.zero.stage, "activation_checkpointing": lay.recompute.value, "dp_replicate": 1,
         "dp_shard": lay.dp, "tp": lay.tp, "pp": lay.pp,
     }  # fmt: skip
+    if lay.cp > 1:
+        args["cp"] = lay.cp  # CPPolicy's defaults: the scheme chosen from the heads, head-tail chunks
     if lay.ep > 1:
         args["ep"] = lay.ep  # MeshSpec.ep: the experts over ep ranks folded out of dp_shard
     if lay.pp > 1:

@@ -204,6 +204,7 @@ def rule_warnings(
     offload_params: Tier = Tier.NONE,
     fp8: FP8Recipe | None = None,
     ep: int = 1,
+    cp: int = 1,
 ) -> list[str]:
     """The rules of :mod:`lightning_v17.config.rules` the layout violates, each with the table's message and fix:
     what ``V17Strategy`` would refuse to build (the planner still plans it, and warns)."""
@@ -214,8 +215,8 @@ def rule_warnings(
                             fp8=None if fp8 is None else FP8Policy(recipe=fp8))  # fmt: skip
     values = {"pp": pp, "tp": tp, "zero_stage": zero.stage, "offload_params": offload.params.value,
               "fp8": None if fp8 is None else FP8Recipe(fp8).value, "sequence_parallel": sp, "ep": ep,
-              "offload": True}  # fmt: skip
-    found = violations(RulesLayout(policy, pp=pp, tp=tp, ep=ep))
+              "offload": True, "cp": cp}  # fmt: skip
+    found = violations(RulesLayout(policy, pp=pp, tp=tp, ep=ep, cp=cp))
     return [f"{_headline(rule, values)}: {text}" for rule, text in found]
 
 
@@ -237,7 +238,7 @@ def anti_pattern_warnings(
     """Warnings for the layout: the composition rules it violates (:func:`rule_warnings`), then its anti-patterns
     (design §17.5, §10.7). Each names the fix."""
     warnings = rule_warnings(zero=zero, pp=pp, tp=tp, sp=sp, offload_optimizer=offload_optimizer,
-                             offload_params=offload_params, fp8=fp8, ep=ep)  # fmt: skip
+                             offload_params=offload_params, fp8=fp8, ep=ep, cp=cp)  # fmt: skip
     if tp > gpus_per_node:
         warnings.append(
             f"TP across nodes: tp={tp} > gpus_per_node={gpus_per_node}; TP's per-layer all-reduces need NVLink, "
@@ -255,8 +256,6 @@ def anti_pattern_warnings(
         )
     if zero.shards_optimizer and dp * cp == 1:
         warnings.append(f"zero_stage={zero.stage} with dp=1 shards nothing; ZeRO partitions over data parallelism")
-    if cp > 1:
-        warnings.append("cp>1 is modelled here but V17Strategy does not implement context parallelism yet (cp=1)")
     return warnings
 
 

@@ -27,7 +27,7 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 #: the feature pages the README's table links to; each has usage, options, limits and the tests that prove it
 FEATURE_PAGES = ("zero", "offload", "tensor-parallel", "pipeline", "fp8", "checkpoints", "resilience", "planner",
-                 "cli-and-yaml", "own-model")  # fmt: skip
+                 "cli-and-yaml", "own-model", "expert-parallel", "context-parallel")  # fmt: skip
 PRODUCT = ("lightning_v17", "strategies", "callbacks", "configs")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".json", ".cfg", ".ini"}
 HISTORY = {

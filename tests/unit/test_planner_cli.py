@@ -217,7 +217,7 @@ def test_emit_config_keeps_json_clean_and_reports_on_stderr(capsys, tmp_path):
     [
         (["--params", "7e9", "--gpus", "8"], "needs a model shape"),
         (["--model", "gpt3-175b", "--gpus", "64"], "llama shapes only"),
-        (["--model", "llama3-8b", "--gpus", "8", "--cp", "2"], "context parallelism"),
+        (["--model", "llama3-8b", "--gpus", "12"], "whole number"),
     ],
 )
 def test_emit_config_refusals_are_one_line_and_write_nothing(capsys, tmp_path, argv, needle):

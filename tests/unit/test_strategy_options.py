@@ -212,3 +212,20 @@ def test_microbatches_torch_cannot_schedule_are_refused_at_construction():
         pipe(2, schedule="zb_h2")  # Qi's ZB-H2: one stage per rank
     pipe(2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=6)  # 3 rounds of 2
     pipe(4, schedule="gpipe", microbatches=2)  # GPipe has no such limit
+
+
+def test_cp_takes_its_size_or_its_policy_and_refuses_what_is_not_built():
+    from lightning_v17.config import CPBalance, CPMode, CPPolicy
+
+    s = _strategy(cp={"size": 2, "mode": "allgather", "balance": "packed"})
+    assert s._axes["cp"] == 2 and s.policy.context == CPPolicy(size=2, mode="allgather", balance="packed")
+    assert (s.policy.context.mode, s.policy.context.balance) == (CPMode.ALLGATHER, CPBalance.PACKED)
+    assert _strategy(cp=2).policy.context == CPPolicy(size=2)  # auto scheme, head-tail chunks
+    with pytest.raises(V17ConfigError, match=r"cp.mode='ring' \(ring attention\) is not built"):
+        CPPolicy(size=2, mode="ring")
+    with pytest.raises(V17ConfigError, match="cp.balance"):
+        CPPolicy(balance="zigzag")
+    with pytest.raises(V17ConfigError, match="cp=2 with pp=2 is not implemented yet"):
+        _strategy(cp=2, pp=2, zero_stage=1)
+    msgs = _warnings(lambda: _strategy(cp=CPPolicy(mode="ulysses")))
+    assert msgs == ["V17Strategy: cp.mode='ulysses' applies only with cp > 1; it is ignored here"], msgs

@@ -453,8 +453,13 @@ def apply_zero(
     ``prefetch_units`` and ``child_units`` (stage 3): see :class:`ZeroEngine` and
     :func:`~lightning_v17.engine.zero.fsdp.apply_fsdp`.
     """
+    from lightning_v17.mesh import submesh
+
     replicate = mesh["dp_replicate"].size() > 1
     shard_mesh = mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
+    cp = mesh["cp"].size() > 1  # ZeRO over dp_shard x cp (torchtitan's dp_shard_cp); no HSDP beside it (rules)
+    if cp:
+        shard_mesh = submesh(mesh, "dp_shard_cp")
     if stage == 3:
         apply_fsdp(
             module,
@@ -472,7 +477,7 @@ def apply_zero(
     engine = ZeroEngine(
         module,
         stage=stage,
-        shard_group=mesh["dp_shard"].get_group(),
+        shard_group=shard_mesh.get_group() if cp else mesh["dp_shard"].get_group(),
         replicate_group=mesh["dp_replicate"].get_group() if replicate else None,
         shard_mesh=shard_mesh,
         bucket_mb=bucket_mb,
@@ -480,9 +485,7 @@ def apply_zero(
         partition=optimizer_partition,
         overlap=overlap_comm,
     )
-    from lightning_v17.mesh import submesh
-
-    engine.set_dp_group(submesh(mesh, "dp").get_group())
+    engine.set_dp_group(submesh(mesh, "dp_shard_cp" if cp else "dp").get_group())
     return engine
 
 
