@@ -26,23 +26,82 @@ from lightning_v17.config import V17ConfigError
 IGNORE_INDEX = -100
 
 
-def check_context_parallel_model(model: nn.Module, cp: int) -> None:
-    """Refuse a model whose attention does not run context-parallel: under cp each rank holds S/cp tokens, and an
-    attention that does not gather the rest would train on fragments without an error."""
-    if cp > 1 and not any(getattr(type(m), "v17_context_parallel", False) for m in model.modules()):
+HF_ATTENTION = "v17_cp"  # the name of the context-parallel attention in transformers' AttentionInterface
+
+
+def _hf_models(model: nn.Module) -> list[nn.Module]:
+    """The Hugging Face ``PreTrainedModel`` roots in ``model`` (outermost only)."""
+    found: list[nn.Module] = []
+    covered: set[int] = set()
+    for m in model.modules():
+        if id(m) not in covered and hasattr(m, "set_attn_implementation") and hasattr(m, "config"):
+            found.append(m)
+            covered.update(id(x) for x in m.modules())
+    return found
+
+
+def prepare_context_parallel_model(strategy: Any, model: nn.Module, cp: int) -> None:
+    """Make ``model``'s attention run context-parallel, or refuse it: under cp each rank holds S/cp tokens, and an
+    attention that does not gather the rest would train on fragments without an error.
+
+    A Hugging Face model is wired without edits: the engine's attention registered in transformers'
+    ``AttentionInterface`` and set as the model's implementation; its forward gets the batch's global
+    ``position_ids`` when the caller passes none; its causal-LM loss takes the targets shifted on the full rows
+    before the cut (it would shift inside each shard, losing every shard's last target and pairing tokens across
+    the head-tail reordering). The reference Llama's attention opts in by ``v17_context_parallel = True``.
+    """
+    if cp == 1:
+        return
+    for hf in _hf_models(model):
+        _wire_hf(strategy, hf)
+    if not any(getattr(type(m), "v17_context_parallel", False) for m in model.modules()) and not _hf_models(model):
         raise V17ConfigError(
             f"cp={cp}: no attention module of {type(model).__name__} runs context-parallel (the reference "
-            "lightning_v17.models.Llama's does; a module of your own opts in with a class attribute "
-            "v17_context_parallel = True and calls lightning_v17.engine.cp.current_cp_context().attention(q, k, v)); "
-            "a Hugging Face model is not wired into V17Strategy(cp) (its built-in loss shifts the labels inside each "
-            "shard): use cp=1"
+            "lightning_v17.models.Llama's and Hugging Face models' do; a module of your own opts in with a class "
+            "attribute v17_context_parallel = True and calls "
+            "lightning_v17.engine.cp.current_cp_context().attention(q, k, v)); use cp=1"
         )
+
+
+def _wire_hf(strategy: Any, hf: nn.Module) -> None:
+    from transformers import AttentionInterface
+
+    from lightning_v17.engine.cp import current_cp_context, hf_attention_forward
+
+    AttentionInterface.register(HF_ATTENTION, hf_attention_forward)
+    hf.set_attn_implementation(HF_ATTENTION)
+
+    def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ctx = current_cp_context()
+        if ctx is not None and kwargs.get("position_ids") is None and strategy._cp_positions is not None:
+            kwargs["position_ids"] = strategy._cp_positions
+        return args, kwargs
+
+    hf.register_forward_pre_hook(positions, with_kwargs=True)
+    if not hasattr(hf, "loss_function"):
+        return
+    inner = hf.loss_function
+
+    def loss(logits: Tensor, labels: Tensor | None, vocab_size: int, num_items_in_batch: Any = None,
+             ignore_index: int = IGNORE_INDEX, shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:  # fmt: skip
+        if shift_labels is None and current_cp_context() is not None:
+            if strategy._cp_shift_labels is None:
+                raise V17ConfigError("under cp the Hugging Face loss needs the batch's 'labels' (or shift_labels=)")
+            shift_labels = strategy._cp_shift_labels
+            strategy._cp_scale = strategy._cp_shift_scale  # this loss is the mean over the shifted local targets
+        return inner(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=ignore_index,
+                     shift_labels=shift_labels, **kwargs)  # fmt: skip
+
+    hf.loss_function = loss
 
 
 class ContextSteps:
     """The cp part of V17Strategy: shard each batch, hold its context, scale the loss (module docstring)."""
 
     _cp_scale: Tensor | None = None
+    _cp_shift_scale: Tensor | None = None  # the scale of a Hugging Face loss (targets shifted on the full rows)
+    _cp_shift_labels: Tensor | None = None  # this rank's share of those targets
+    _cp_positions: Tensor | None = None  # this rank's global position ids, for a forward called without them
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
@@ -50,7 +109,7 @@ class ContextSteps:
         spec = getattr(spec, "spec", None)
         if spec is None or spec.cp == 1:
             return batch
-        from lightning_v17.engine.cp import CPContext, choose_cp_mode, set_cp_context, shard_batch
+        from lightning_v17.engine.cp import CPContext, set_cp_context, shard_batch, shift_labels
 
         if not isinstance(batch, dict) or "input_ids" not in batch:
             raise V17ConfigError(
@@ -60,21 +119,18 @@ class ContextSteps:
         policy = self.policy.context  # type: ignore[attr-defined]
         group = self._mesh.group("cp")  # type: ignore[attr-defined]
         rank = self._mesh.rank("cp")  # type: ignore[attr-defined]
+        if "labels" in batch:  # a Hugging Face loss shifts its labels: shifted here on the full rows, then cut
+            batch = {**batch, "_v17_shift": shift_labels(batch["labels"])}
         cpb = shard_batch(batch, cp=spec.cp, rank=rank, balance=policy.balance.value,
                           chunks_per_rank=policy.chunks_per_rank)  # fmt: skip
-        mode = choose_cp_mode(policy.mode.value, cp=spec.cp, heads=self._heads[0], kv_heads=self._heads[1])
-        set_cp_context(CPContext.from_batch(cpb, mode=mode, group=group))  # until the next batch: forward, backward
-        self._cp_scale = _loss_scale(cpb.local, cp=spec.cp, group=group)
+        shifted = cpb.local.pop("_v17_shift", None)
+        self._cp_positions = cpb.local["position_ids"]
+        self._cp_shift_labels = shifted
+        # "auto" is resolved from q/k's head counts at the attention call (engine.cp.choose_cp_mode)
+        set_cp_context(CPContext.from_batch(cpb, mode=policy.mode, group=group))  # until the next batch: forward, backward
+        self._cp_scale = _loss_scale(cpb.local.get("labels"), cpb.local.get("loss_mask"), cp=spec.cp, group=group)
+        self._cp_shift_scale = None if shifted is None else _loss_scale(shifted, None, cp=spec.cp, group=group)
         return cpb.local
-
-    @property
-    def _heads(self) -> tuple[int, int]:
-        """(query heads, KV heads) of the model's attention, for ``CPPolicy(mode="auto")``."""
-        cfg = getattr(getattr(self.lightning_module, "model", None), "config", None)  # type: ignore[attr-defined]
-        heads = getattr(cfg, "heads", None)
-        if heads is None:
-            raise V17ConfigError("cp > 1 needs the model's head counts (model.config.heads / kv_heads)")
-        return heads, getattr(cfg, "kv_heads", None) or heads
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         """The step's loss as the backward under cp needs it (module docstring); unchanged at cp = 1."""
@@ -87,17 +143,16 @@ class ContextSteps:
         self._cp_scale = None
 
 
-def _loss_scale(local: dict[str, Any], *, cp: int, group: Any) -> Tensor | None:
+def _loss_scale(labels: Tensor | None, loss_mask: Tensor | None, *, cp: int, group: Any) -> Tensor | None:
     """``cp x w / sum_cp(w)``, w = this rank's target tokens (labels not ignored, times ``loss_mask``); None
     without labels (equal shares: the plain mean over each rank's equal token count already averages right)."""
     import torch.distributed as dist
 
-    labels = local.get("labels")
     if labels is None:
         return None
     w = (labels != IGNORE_INDEX).to(torch.float64)
-    if local.get("loss_mask") is not None:
-        w = w * local["loss_mask"].to(torch.float64)
+    if loss_mask is not None:
+        w = w * loss_mask.to(torch.float64)
     mine = w.sum()
     total = mine.clone()
     dist.all_reduce(total, group=group)

@@ -29,7 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from lightning_v17.strategies import _pipeline, _precision
 from lightning_v17.strategies._checkpoint import ShardedCheckpoints
 from lightning_v17.strategies._collectives import WorldCollectives, init_world
-from lightning_v17.strategies._context import ContextSteps, check_context_parallel_model
+from lightning_v17.strategies._context import ContextSteps, prepare_context_parallel_model
 from lightning_v17.strategies._options import (
     apply_config_to_trainer,
     build_policy,
@@ -289,7 +289,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
             if spec.pp > 1:
                 pipeline, layout, loss_fn = _pipeline.pipeline_options(model, policy.pipeline)
                 policy = replace(policy, pipeline=pipeline)
-            check_context_parallel_model(model, spec.cp)
+            prepare_context_parallel_model(self, model, spec.cp)
         param_dtype, reduce_dtype = mixed_precision_dtypes(self.precision_plugin.precision)
         self._parallel = parallelize(
             model, mesh=self.mesh, policy=policy, device=self.root_device, tp_plan=tp_plan, pp_layout=layout,
