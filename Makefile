@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# litgpt 0.5.13 pins huggingface-hub<1.4 (transformers >= 5.4 needs a newer one); without its pins it runs as is.
 	$(PY) -m pip install -q --no-deps litgpt==0.5.13
+	# megatron-core 0.16.1 (the last cp311 wheel): the reference the token-file tests compare with, kept out of the env.
+	$(PY) -m pip install -q --no-deps --target $(VENV)/megatron-target megatron-core==0.16.1
 	# DeepSpeed's CPU-Adam op, JIT-built once into ~/.cache/torch_extensions (35-210 s on 2 cores) as part of the set-up,
 	# not of the test run; where it cannot build, lightning_v17.optim falls back to fused AdamW with a warning.
 	$(PY) -c 'from lightning_v17.optim import cpu_adam_unavailable as u; r = u(); print("cpu_adam op:", r or "built")'

@@ -1,31 +1,32 @@
-"""Data: packing (bin packing, cu_seqlens, position reset, loss masks), the data module, the stdlib corpus, tokenizer.
+"""Data: packing (bin packing, cu_seqlens, position reset, loss masks), the data module, the stdlib corpus, tokenizer,
+Megatron token files (``.bin/.idx``) and ``v17 preprocess``.
 
-``PackedDataModule`` (Lightning) and ``StdlibCorpus`` are imported lazily.
+Everything but the tokenizer is imported lazily (on first use of its name).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_v17.data.packing import (
-    IGNORE_INDEX,
-    PAD_DOC_ID,
-    PackedRowSampler,
-    PackingMode,
-    PackingPlan,
-    Segment,
-    collate_rows,
-    materialize_row,
-    pack,
-    padding_fraction,
-)
 from lightning_v17.data.tokenizer import ByteTokenizer
 
+# Lazy, so that torch-free users (``v17 preprocess``, the token-file reader) do not pay for importing torch.
 _LAZY = {
+    **dict.fromkeys(
+        ("IGNORE_INDEX", "PAD_DOC_ID", "PackedRowSampler", "PackingMode", "PackingPlan", "Segment", "collate_rows",
+         "materialize_row", "pack", "padding_fraction"),
+        "lightning_v17.data.packing",
+    ),
     "PackedDataModule": "lightning_v17.data.datamodule",
     "DocumentSource": "lightning_v17.data.datamodule",
     "StdlibCorpus": "lightning_v17.data.corpus",
     "length_stats": "lightning_v17.data.corpus",
+    "IndexedReader": "lightning_v17.data.indexed",
+    "IndexedWriter": "lightning_v17.data.indexed",
+    "TokenFileDataset": "lightning_v17.data.indexed",
+    "TokenFileError": "lightning_v17.data.indexed",
+    "write_indexed": "lightning_v17.data.indexed",
+    "preprocess": "lightning_v17.data.preprocess",
 }
 
 __all__ = [
@@ -33,17 +34,23 @@ __all__ = [
     "PAD_DOC_ID",
     "ByteTokenizer",
     "DocumentSource",
+    "IndexedReader",
+    "IndexedWriter",
     "PackedDataModule",
     "PackedRowSampler",
     "PackingMode",
     "PackingPlan",
     "Segment",
     "StdlibCorpus",
+    "TokenFileDataset",
+    "TokenFileError",
     "collate_rows",
     "length_stats",
     "materialize_row",
     "pack",
     "padding_fraction",
+    "preprocess",
+    "write_indexed",
 ]
 
 

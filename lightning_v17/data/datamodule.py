@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -57,6 +58,8 @@ class DocumentSource:
     def _ids(self, item: Any) -> Any:
         if isinstance(item, Mapping):
             item = item["input_ids"]
+        if isinstance(item, np.ndarray):  # a token file's memory-map view: copy this document only, as int64
+            return torch.from_numpy(item.astype(np.int64))
         if isinstance(item, str | bytes):
             if self.tokenizer is None:
                 raise ValueError("the dataset yields text but no tokenizer was given; pass tokenizer=ByteTokenizer()")
@@ -189,8 +192,11 @@ class PackedDataModule(L.LightningDataModule):
         seq_len: tokens per row.
         batch_size: rows per batch per data-parallel rank.
         packing: ``ffd`` (first-fit decreasing), ``best_fit``, ``bucket`` (no packing; similar lengths batched
-            together) or ``none`` (no packing; padded to the longest row of each batch).
-        shuffle: reshuffle training rows every epoch (seeded by ``seed`` and the epoch).
+            together), ``none`` (no packing; padded to the longest row of each batch) or ``concat`` (token files:
+            documents concatenated and cut every ``seq_len`` tokens, Megatron's GPT mode). None: ``concat`` with
+            ``paths``, else ``ffd``.
+        shuffle: reshuffle training rows every epoch (seeded by ``seed`` and the epoch); with ``concat`` the rows
+            always come in the index's seeded order.
         seed: shuffle seed.
         drop_last: cut each epoch to whole batches on every rank, so all ranks step in lock-step.
         num_workers: DataLoader worker processes.
@@ -202,6 +208,16 @@ class PackedDataModule(L.LightningDataModule):
             resume position counts batches trained on, so prefetched ones are never skipped.
         val_fraction: stdlib corpus: fraction of documents held out for validation.
         corpus_cache_dir: stdlib corpus: cache directory (default ``~/.cache/lightning_v17``).
+        paths: token files (``.bin/.idx`` prefixes, e.g. from ``v17 preprocess``) to train on instead of
+            ``dataset``: blended by ``weights``, cut every ``seq_len`` tokens behind the lazy index of
+            :class:`~lightning_v17.data.blend.BlendedTokens` (``packing`` must be ``concat``, the default with
+            ``paths``; ``ffd`` plans over a single path's lengths instead).
+        weights: one sampling weight per path (normalized); None: in proportion to their sizes, every sample of
+            every corpus once per epoch.
+        num_samples: rows per epoch with ``paths``; None: the corpora's rows added up.
+        val_paths: token files for validation with ``paths`` (None: no validation).
+        mixture_change: on resume, accept other ``paths``/``weights`` than the checkpoint's and continue from its
+            position under the new mixture, repeating nothing already seen (without it such a resume is refused).
     """
 
     def __init__(
@@ -211,7 +227,7 @@ class PackedDataModule(L.LightningDataModule):
         tokenizer: ByteTokenizer | None = None,
         seq_len: int = 512,
         batch_size: int = 8,
-        packing: str = "ffd",
+        packing: str | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
@@ -221,9 +237,30 @@ class PackedDataModule(L.LightningDataModule):
         prefetch_batches: int = 2,
         val_fraction: float = 0.05,
         corpus_cache_dir: str | None = None,
+        paths: list[str] | None = None,
+        weights: list[float] | None = None,
+        num_samples: int | None = None,
+        val_paths: list[str] | None = None,
+        mixture_change: bool = False,
     ) -> None:
         super().__init__()
-        self.mode = PackingMode.parse(packing)
+        if paths is not None and dataset is not None:
+            raise ValueError("data.paths and data.dataset both given; train on token files (paths) or on a dataset")
+        if (weights is not None or num_samples is not None or val_paths is not None) and paths is None:
+            raise ValueError("data.weights, data.num_samples and data.val_paths need data.paths (token files)")
+        # `concat` (token files cut every seq_len tokens) has no plan, so it is not a PackingMode: parsed here once.
+        self.concat = packing == "concat" or (packing is None and paths is not None and len(paths) > 0)
+        self.mode = PackingMode.FFD if self.concat else PackingMode.parse(packing or "ffd")
+        if paths is not None and not self.concat:
+            if len(paths) != 1 or weights is not None:
+                raise ValueError(f"packing={packing!r} plans one dataset; blended data.paths use packing='concat'")
+            from lightning_v17.data.indexed import TokenFileDataset
+
+            dataset, paths = TokenFileDataset(paths[0]), None
+        if self.concat and paths is None:
+            raise ValueError("packing='concat' cuts token files: give data.paths")
+        self.paths, self.weights, self.num_samples = paths, weights, num_samples
+        self.val_paths, self.mixture_change = val_paths, mixture_change
         if seq_len < 2:
             raise ValueError(f"seq_len={seq_len} must be >= 2")
         if batch_size < 1:
@@ -260,11 +297,28 @@ class PackedDataModule(L.LightningDataModule):
     # ---- setup -----------------------------------------------------------------------------------------------------
     def _rows(self, dataset: Any) -> PackedRows:
         source = DocumentSource(dataset, self.tokenizer)
-        plan = pack(source.lengths, self.seq_len, mode=self.mode, group_size=self.batch_size)
+        if self.mode is PackingMode.FFD:  # the same plan as pack()'s, in numpy arrays (lightning_v17.data.ffd)
+            from lightning_v17.data.ffd import pack_ffd, pack_ffd_cached
+            from lightning_v17.data.indexed import TokenFileDataset
+
+            if isinstance(dataset, TokenFileDataset):  # cached next to the token file, memory-mapped by other ranks
+                plan = pack_ffd_cached(source.lengths, self.seq_len, dataset.prefix)
+            else:
+                plan = pack_ffd(source.lengths, self.seq_len)
+        else:
+            plan = pack(source.lengths, self.seq_len, mode=self.mode, group_size=self.batch_size)
         return PackedRows(source, plan, pad_id=self.tokenizer.pad_id)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
+            return
+        if self.concat:
+            from lightning_v17.data.blend import BlendedTokens
+
+            self._check_seq_len()
+            kw = {"seq_len": self.seq_len, "seed": self.seed, "pad_id": self.tokenizer.pad_id}
+            self.train_rows = BlendedTokens(self.paths, weights=self.weights, num_samples=self.num_samples, **kw)
+            self.val_rows = BlendedTokens(self.val_paths, **kw) if self.val_paths else None
             return
         train, val = self.dataset, self.val_dataset
         if train is None:
@@ -300,6 +354,8 @@ class PackedDataModule(L.LightningDataModule):
         """Rows, chunks, split documents and padding fraction of the training plan."""
         if self.train_rows is None:
             self.setup()
+        if self.concat:
+            return {"rows": float(len(self.train_rows)), "corpora": float(len(self.train_rows.corpora))}
         return self.train_rows.plan.stats(self.batch_size)
 
     # ---- loaders ---------------------------------------------------------------------------------------------------
@@ -326,16 +382,9 @@ class PackedDataModule(L.LightningDataModule):
         if self.train_rows is None:
             self.setup("fit")
         world, rank = self._dp()
-        self.train_sampler = PackedRowSampler(
-            self.train_rows.plan,
-            num_replicas=world,
-            rank=rank,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            drop_last=self.drop_last,
-        )
+        self.train_sampler = self._sampler(world, rank)
         if self._pending_state is not None:
-            self.train_sampler.load_state_dict(self._pending_state)
+            self._restore(self._pending_state)
             self._pending_state = None
         return self._loader(self.train_rows, self.train_sampler, resumable=True)
 
@@ -345,8 +394,35 @@ class PackedDataModule(L.LightningDataModule):
         if self.val_rows is None:
             return []
         world, rank = self._dp()
-        sampler = PackedRowSampler(self.val_rows.plan, num_replicas=world, rank=rank, shuffle=False, drop_last=True)
+        if self.concat:
+            from lightning_v17.data.blend import PositionSampler
+
+            sampler = PositionSampler(len(self.val_rows), num_replicas=world, rank=rank, drop_last=True)
+        else:
+            sampler = PackedRowSampler(self.val_rows.plan, num_replicas=world, rank=rank, shuffle=False,
+                                       drop_last=True)  # fmt: skip
         return self._loader(self.val_rows, sampler)
+
+    def _sampler(self, world: int, rank: int) -> PackedRowSampler:
+        if self.concat:
+            from lightning_v17.data.blend import PositionSampler
+
+            return PositionSampler(len(self.train_rows), num_replicas=world, rank=rank, drop_last=self.drop_last)
+        return PackedRowSampler(self.train_rows.plan, num_replicas=world, rank=rank, shuffle=self.shuffle,
+                                seed=self.seed, drop_last=self.drop_last)  # fmt: skip
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Load the sampler position and, with token files, the index (refused if the data changed, see
+        :meth:`~lightning_v17.data.blend.BlendedTokens.load_index_state`)."""
+        if self.concat:
+            if "index" not in state:
+                raise ValueError("the checkpoint's data state has no token-file index: it was trained on a dataset, "
+                                 "not on data.paths; resume with the same data")  # fmt: skip
+            if self.mixture_change and int(state["num_rows"]) != len(self.train_rows):
+                self.train_rows.num_samples = int(state["num_rows"])  # keep the epoch length of the checkpoint
+            position = int(state["epoch"]) * int(state["num_rows"]) + int(state["consumed"])
+            self.train_rows.load_index_state(state["index"], position=position, mixture_change=self.mixture_change)
+        self.train_sampler.load_state_dict(state)
 
     # ---- resumability ----------------------------------------------------------------------------------------------
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -360,7 +436,7 @@ class PackedDataModule(L.LightningDataModule):
         return batch
 
     def _groups_per_batch(self) -> int:
-        group = self.train_rows.plan.group_size if self.train_rows is not None else 1
+        group = self.train_rows.plan.group_size if self.train_rows is not None and not self.concat else 1
         return max(self.batch_size // group, 1)
 
     def state_dict(self) -> dict[str, Any]:
@@ -374,6 +450,8 @@ class PackedDataModule(L.LightningDataModule):
             state["batches"] = self._base_batches + self._batches
         else:
             state["consumed"] = state["batches"] = 0
+        if self.concat:
+            state["index"] = self.train_rows.index_state()
         return state
 
     def loader_length(self, remaining: int) -> int:
@@ -389,8 +467,8 @@ class PackedDataModule(L.LightningDataModule):
         if self.train_sampler is None or self.train_rows is None:
             return remaining
         world, rank = self._dp()
-        fresh = PackedRowSampler(self.train_rows.plan, num_replicas=world, rank=rank, shuffle=self.shuffle,
-                                 seed=self.train_sampler.seed, drop_last=self.drop_last)  # fmt: skip
+        fresh = self._sampler(world, rank)
+        fresh.seed = self.train_sampler.seed
         fresh.set_epoch(self.train_sampler.epoch)
         return max(self._base_batches + remaining, -(-len(fresh) // self.batch_size))
 
@@ -403,7 +481,7 @@ class PackedDataModule(L.LightningDataModule):
         self._base_batches = int(state_dict.get("batches", 0))  # absent from checkpoints of older versions
         self._batches = 0
         if self.train_sampler is not None:
-            self.train_sampler.load_state_dict(state_dict)
+            self._restore(state_dict)
             self._pending_state = None
 
 

@@ -366,8 +366,9 @@ class PackedRowSampler(DistributedSampler):
         drop_last: bool = True,
         group_size: int = 1,
     ) -> None:
-        num_rows = plan.num_rows if isinstance(plan, PackingPlan) else int(plan)
-        group_size = plan.group_size if isinstance(plan, PackingPlan) else group_size
+        is_plan = hasattr(plan, "num_rows")  # a PackingPlan, or lightning_v17.data.ffd's ArrayPlan
+        num_rows = plan.num_rows if is_plan else int(plan)
+        group_size = plan.group_size if is_plan else group_size
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas})")
         # Not DistributedSampler.__init__: it would query torch.distributed; we take rank/world size explicitly.
