@@ -2,6 +2,8 @@
 
 - ``v17 plan ...``: the torch-free memory/parallelism planner (lightning_v17/planner/cli.py).
 - ``v17 consolidate CKPT OUT``: a sharded checkpoint -> one full state dict (lightning_v17/checkpoint/sharded.py).
+- ``v17 convert-deepspeed DIR OUT``: a DeepSpeed ZeRO checkpoint -> a sharded checkpoint
+  (lightning_v17/checkpoint/deepspeed_convert.py).
 - ``v17 preprocess INPUTS --output PREFIX``: jsonl/text -> Megatron ``.bin/.idx`` token files
   (lightning_v17/data/preprocess.py).
 - ``v17 fit|validate|test|predict ...``: a LightningCLI (lightning_v17/trainer_cli.py), e.g.
@@ -24,6 +26,10 @@ def main(argv: list[str] | None = None) -> int | None:
         from lightning_v17.checkpoint.sharded import consolidate_main
 
         return consolidate_main(argv[1:])
+    if command == "convert-deepspeed":
+        from lightning_v17.checkpoint.deepspeed_convert import convert_deepspeed_main
+
+        return convert_deepspeed_main(argv[1:])
     if command == "preprocess":
         from lightning_v17.data.preprocess import preprocess_main
 

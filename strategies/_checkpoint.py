@@ -118,10 +118,13 @@ def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | No
             f"ckpt_path={str(path)!r} does not exist; give the checkpoint directory (AsyncCheckpoint writes "
             "<dirpath>/step-NNNNNNNN and a 'latest' pointer; ckpt_path='last' resumes from the newest)"
         )
+    if not is_sharded_checkpoint(path) and _is_deepspeed(path):
+        return load_deepspeed(strategy, path, weights_only=weights_only)
     if not is_sharded_checkpoint(path):
         raise V17ConfigError(
             f"ckpt_path={str(path)!r} is not a V17 sharded checkpoint directory; V17Strategy resumes from the "
-            "directories it writes (convert a full checkpoint by loading it into the module before fit)"
+            "directories it writes and from DeepSpeed's (a save_dir holding 'latest', or a global_stepN directory); "
+            "convert a full checkpoint by loading it into the module before fit"
         )
     assert strategy.model is not None
     app_state = state_engine.get_state_dicts(strategy.model, strategy.optimizers, backend=strategy.zero)
@@ -143,6 +146,29 @@ def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | No
     state_engine.restore_param_group_lists(app_state, own_groups)
     state_engine.set_state_dicts(strategy.model, strategy.optimizers, app_state, backend=strategy.zero)
     return trainer_state
+
+
+# ---------------------------------------------------------------------------------------------------- DeepSpeed
+def _is_deepspeed(path: Path) -> bool:
+    from lightning_v17.checkpoint.deepspeed import is_deepspeed_checkpoint
+
+    return is_deepspeed_checkpoint(path)
+
+
+def load_deepspeed(strategy: V17Strategy, path: Path, *, weights_only: bool | None = None) -> dict[str, Any]:
+    """Load a DeepSpeed ZeRO checkpoint directory (raw DeepSpeed or Lightning's DeepSpeedStrategy) into the running
+    layout: every rank reads the full tensors (checkpoint/deepspeed.py, no deepspeed import) and keeps its own part of
+    them (checkpoint/deepspeed_convert.py); returns the trainer state (Lightning's client state when it wrote it)."""
+    from lightning_v17.checkpoint.deepspeed import read_deepspeed_checkpoint
+    from lightning_v17.checkpoint.deepspeed_convert import fill_app_state, trainer_state_from_deepspeed
+
+    # every file is read and checked before anything is set: a refused or partial checkpoint leaves the model as is
+    ds = read_deepspeed_checkpoint(path, weights_only=weights_only)
+    assert strategy.model is not None
+    app_state = state_engine.get_state_dicts(strategy.model, strategy.optimizers, backend=strategy.zero)
+    fill_app_state(app_state, ds)
+    state_engine.set_state_dicts(strategy.model, strategy.optimizers, app_state, backend=strategy.zero)
+    return trainer_state_from_deepspeed(ds, lightning_version=_lightning_version())
 
 
 def _lightning_version() -> str:

@@ -1,7 +1,15 @@
 """Checkpoints: sharded DCP saves that reshard on load (``sharded``), asynchronous saves (``async_save``) and
-loading only what is safe (``safe_load``)."""
+loading only what is safe (``safe_load``); DeepSpeed ZeRO checkpoints read without deepspeed (``deepspeed``) and
+converted once into sharded ones (``deepspeed_convert``)."""
 
 from lightning_v17.checkpoint.async_save import AsyncSaveError, AsyncShardedSaver, PreallocatedStager, SaveResult
+from lightning_v17.checkpoint.deepspeed import (
+    DEEPSPEED_SAFE_GLOBALS,
+    DeepSpeedState,
+    is_deepspeed_checkpoint,
+    read_deepspeed_checkpoint,
+)
+from lightning_v17.checkpoint.deepspeed_convert import convert_deepspeed
 from lightning_v17.checkpoint.safe_load import (
     TRAINER_STATE_SAFE_GLOBALS,
     UnsafeCheckpointError,
@@ -22,22 +30,27 @@ from lightning_v17.checkpoint.sharded import (
 )
 
 __all__ = [
+    "DEEPSPEED_SAFE_GLOBALS",
     "FORMAT",
     "TRAINER_STATE_SAFE_GLOBALS",
     "AsyncSaveError",
     "AsyncShardedSaver",
     "CheckpointCorruptError",
+    "DeepSpeedState",
     "PreallocatedStager",
     "SaveResult",
     "UnsafeCheckpointError",
     "check_dcp_pickles",
     "consolidate",
     "consolidate_main",
+    "convert_deepspeed",
+    "is_deepspeed_checkpoint",
     "is_sharded_checkpoint",
     "load_full_state_dict",
     "load_sharded",
     "load_trainer_state",
     "partial_path",
+    "read_deepspeed_checkpoint",
     "save_sharded",
     "verify_checkpoint",
 ]
