@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from lightning_v17.config import (
     CPPolicy,
+    EPPolicy,
     FP8Policy,
     MeshSpec,
     OffloadPolicy,
@@ -34,7 +35,7 @@ P = TypeVar("P")
 #: The policy arguments of V17Strategy and their classes (``fp8`` also takes a recipe string: build_fp8_policy).
 _POLICIES: dict[str, type] = {"zero": ZeroPolicy, "offload": OffloadPolicy}
 #: The axes whose argument is a size or the axis's policy (with the size as its ``size`` field).
-_AXIS_POLICIES: dict[str, type] = {"pp": PipelinePolicy, "tp": TPPolicy, "cp": CPPolicy}
+_AXIS_POLICIES: dict[str, type] = {"pp": PipelinePolicy, "tp": TPPolicy, "cp": CPPolicy, "ep": EPPolicy}
 
 
 def axis_size(value: Any, cls: type, option: str) -> int:
@@ -104,6 +105,7 @@ def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
         pipeline=replace(objs["pp"] or base.pipeline, size=axis_size(given["pp"], PipelinePolicy, "pp")),
         tensor_parallel=replace(objs["tp"] or base.tensor_parallel, size=axis_size(given["tp"], TPPolicy, "tp")),
         context=replace(objs["cp"] or base.context, size=axis_size(given["cp"], CPPolicy, "cp")),
+        expert=replace(objs["ep"] or base.expert, size=axis_size(given["ep"], EPPolicy, "ep")),
         recompute=base.recompute if recompute is None else Recompute.parse(recompute),
         fp8=build_fp8_policy(given["fp8"]),
     )
@@ -171,6 +173,7 @@ def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: i
     fields of each given policy (``objs``) that differ from that policy's own defaults."""
     zero, offload = (_changed(objs[n], _POLICIES[n]) for n in ("zero", "offload"))
     pipeline, context = _changed(objs["pp"], PipelinePolicy), _changed(objs["cp"], CPPolicy)
+    expert = _changed(objs["ep"], EPPolicy)
     notes = []
     if policy.zero.shards_params:
         notes += [f"zero.{_show(n, zero[n])} applies to zero_stage 0-2 (FSDP2 reduces per unit at stage 3)"
@@ -184,6 +187,8 @@ def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: i
     if policy.context.size == 1:
         notes += [f"cp.{_show(n, context[n])} applies only with cp > 1"
                   for n in ("mode", "balance", "chunks_per_rank") if n in context]  # fmt: skip
+    if policy.expert.size == 1 and "dispatcher" in expert:
+        notes.append(f"ep.{_show('dispatcher', expert['dispatcher'])} applies only with ep > 1")
     if "wrap_classes" in zero and not policy.zero.shards_params and policy.recompute == Recompute.NONE:
         notes.append("zero.wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")
     if "nvme_path" in offload and Tier.NVME not in (policy.offload.optimizer, policy.offload.params):

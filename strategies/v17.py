@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from lightning_v17.config import (
     CPPolicy,
+    EPPolicy,
     FP8Policy,
     MeshSpec,
     OffloadPolicy,
@@ -93,7 +94,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
         tp: tensor-parallel size (innermost mesh axis), or :class:`~lightning_v17.config.TPPolicy` with its options.
         pp: pipeline stages (outermost mesh axis), or :class:`~lightning_v17.config.PipelinePolicy`; ZeRO 0/1 only.
         cp: context-parallel size (each row's sequence split over cp ranks), or :class:`~lightning_v17.config.CPPolicy`.
-        ep: expert-parallel size, folded out of ``dp_shard`` (:class:`~lightning_v17.config.MeshSpec`; ``engine/ep/``).
+        ep: expert-parallel size, folded out of ``dp_shard``, or :class:`~lightning_v17.config.EPPolicy`.
         zero: :class:`~lightning_v17.config.ZeroPolicy`; None: the config's section, with ``zero_stage`` if given.
         offload: :class:`~lightning_v17.config.OffloadPolicy` (cpu and nvme tiers); None: the config's, else none.
         fp8: :class:`~lightning_v17.config.FP8Policy`, or its recipe ("tensorwise", "rowwise", "delayed"); None: off.
@@ -114,7 +115,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
         tp: int | TPPolicy = 1,
         pp: int | PipelinePolicy = 1,
         cp: int | CPPolicy = 1,
-        ep: int = 1,
+        ep: int | EPPolicy = 1,
         zero: ZeroPolicy | None = None,
         offload: OffloadPolicy | None = None,
         fp8: FP8Policy | str | None = None,
@@ -125,7 +126,8 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
     ) -> None:
         super().__init__()  # accelerator, devices, cluster environment, checkpoint IO, precision: set by the Trainer
         self.policy = build_policy(dict(locals()))
-        pp, tp, cp = self.policy.pipeline.size, self.policy.tensor_parallel.size, self.policy.context.size
+        pp, tp, cp, ep = (self.policy.pipeline.size, self.policy.tensor_parallel.size, self.policy.context.size,
+                          self.policy.expert.size)  # fmt: skip
         self._axes = check_axes(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
         check_composition(self.policy, pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate)  # config/rules.py
         self._process_group_backend, self._timeout = process_group_backend, timeout

@@ -15,6 +15,7 @@ from lightning_v17.config.enums import (
     Axis,
     CPBalance,
     CPMode,
+    Dispatcher,
     HostMemory,
     OptimizerKind,
     Precision,
@@ -27,6 +28,7 @@ from lightning_v17.config.fp8 import FP8Backend, FP8Policy, FP8Recipe
 from lightning_v17.config.mesh_spec import AXIS_ORDER, MeshSpec, check_tp_divides, divisors
 from lightning_v17.config.policies import (
     CPPolicy,
+    EPPolicy,
     LossScalePolicy,
     OffloadPolicy,
     PipelinePolicy,
@@ -43,6 +45,8 @@ __all__ = [
     "CPBalance",
     "CPMode",
     "CPPolicy",
+    "Dispatcher",
+    "EPPolicy",
     "FP8Backend",
     "FP8Policy",
     "FP8Recipe",

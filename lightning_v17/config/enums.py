@@ -37,6 +37,17 @@ class Recompute(StrEnum):
         return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
+class Dispatcher(StrEnum):
+    """How a MoE layer's token assignments reach the ranks of their experts under ep > 1 (``EPPolicy.dispatcher``)."""
+
+    ALLTOALL = "alltoall"
+    ALLGATHER = "allgather"
+
+    @classmethod
+    def parse(cls, value: Any, option: str = "ep.dispatcher") -> Dispatcher:
+        return parse_enum(cls, value, option=option)  # type: ignore[return-value]
+
+
 class CPMode(StrEnum):
     """The attention scheme under cp > 1 (``CPPolicy.mode``); ``auto`` takes the one that sends fewer elements."""
 

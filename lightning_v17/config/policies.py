@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lightning_v17.config.enums import CPBalance, CPMode, HostMemory, Precision, Recompute, Schedule, Tier
+from lightning_v17.config.enums import CPBalance, CPMode, Dispatcher, HostMemory, Precision, Recompute, Schedule, Tier
 from lightning_v17.config.errors import V17ConfigError, parse_enum
 from lightning_v17.config.fp8 import FP8Policy
 from lightning_v17.config.mesh_spec import _check_positive_int
@@ -274,6 +274,27 @@ class TPPolicy:
 
 
 @dataclass(frozen=True)
+class EPPolicy:
+    """Expert parallelism, used when ep > 1: every MoE layer's experts are sharded over ep ranks folded out of
+    dp_shard (``MeshSpec.ep``; ``lightning_v17/engine/ep/``). ``V17Strategy(ep=2)`` is ``V17Strategy(ep=EPPolicy(size=2))``.
+
+    Args:
+        size: expert-parallel ranks; must divide dp_shard and every MoE layer's expert count.
+        dispatcher: "alltoall" (each assignment row sent to its expert's rank and back, GShard's and Megatron-core's
+            default; uneven splits) or "allgather" (every rank's rows all-gathered, each rank runs its own experts'
+            rows, the outputs summed back by a reduce-scatter; Megatron-core's allgather dispatcher: more bytes,
+            no uneven splits).
+    """
+
+    size: int = 1
+    dispatcher: Dispatcher | str = "alltoall"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("ep", self.size)
+        object.__setattr__(self, "dispatcher", Dispatcher.parse(self.dispatcher))
+
+
+@dataclass(frozen=True)
 class CPPolicy:
     """Context parallelism, used when cp > 1: every row's sequence dim is split over the cp ranks, which run
     attention over the whole rows together (DeepSpeed Ulysses; the Llama-3 all-gathered K/V). Labels are the
@@ -361,6 +382,7 @@ class TrainingPolicy:
         precision: precision from a DeepSpeed config (None: use the Trainer's ``precision=``).
         fp8: float8 matmuls in the blocks' Linears (:class:`FP8Policy`); None: off.
         context: context-parallel options (:class:`CPPolicy`; used when cp > 1).
+        expert: expert-parallel options (:class:`EPPolicy`; used when ep > 1).
     """
 
     zero: ZeroPolicy = field(default_factory=ZeroPolicy)
@@ -376,6 +398,7 @@ class TrainingPolicy:
     precision: Precision | None = None
     fp8: FP8Policy | None = None
     context: CPPolicy = field(default_factory=CPPolicy)
+    expert: EPPolicy = field(default_factory=EPPolicy)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))

@@ -318,7 +318,8 @@ def parallelize(
     ep = None
     if spec.ep > 1:  # 3b. the MoE layers' experts over ep, all-to-all dispatch (engine/ep/)
         ep = apply_expert_parallel(
-            module, ep_mesh=mesh["ep"], edp_group=mesh.group("edp") if spec.edp > 1 else None, dp=spec.dp
+            module, ep_mesh=mesh["ep"], edp_group=mesh.group("edp") if spec.edp > 1 else None, dp=spec.dp,
+            dispatcher=policy.expert.dispatcher.value,
         )
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model

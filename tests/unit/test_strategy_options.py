@@ -229,3 +229,15 @@ def test_cp_takes_its_size_or_its_policy_and_refuses_what_is_not_built():
         _strategy(cp=2, pp=2, zero_stage=1)
     msgs = _warnings(lambda: _strategy(cp=CPPolicy(mode="ulysses")))
     assert msgs == ["V17Strategy: cp.mode='ulysses' applies only with cp > 1; it is ignored here"], msgs
+
+
+def test_ep_takes_its_size_or_its_policy():
+    from lightning_v17.config import Dispatcher, EPPolicy
+
+    s = _strategy(ep={"size": 2, "dispatcher": "allgather"})
+    assert s._axes["ep"] == 2 and s.policy.expert == EPPolicy(size=2, dispatcher=Dispatcher.ALLGATHER)
+    assert _strategy(ep=2).policy.expert == EPPolicy(size=2)  # all-to-all by default
+    with pytest.raises(V17ConfigError, match="ep.dispatcher"):
+        EPPolicy(size=2, dispatcher="flex")
+    msgs = _warnings(lambda: _strategy(ep=EPPolicy(dispatcher="allgather")))
+    assert msgs == ["V17Strategy: ep.dispatcher='allgather' applies only with ep > 1; it is ignored here"], msgs
