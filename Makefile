@@ -26,11 +26,16 @@ $(STAMP): pyproject.toml
 	$(PY) -c 'from lightning_v17.engine.offload.aio import prebuild; print("async_io op:", prebuild())'
 	touch $(STAMP)
 
-# The main job: plan it, then train the tiny Llama on the embedded stdlib corpus with ZeRO-3 on 2 CPU ranks.
-# Resume it with: $(VENV)/bin/v17 fit --config configs/tiny-cpu.yaml --ckpt_path last --trainer.max_steps 400
-run: $(STAMP)
+# The main job: plan it, preprocess the embedded stdlib corpus into token files once (runs/tokens), then train the
+# tiny Llama from them with ZeRO-3 on 2 CPU ranks. Resume it with the same two configs and
+# --ckpt_path last --trainer.max_steps 400.
+TOKENS := runs/tokens
+run: $(STAMP) $(TOKENS)/stdlib-train.idx $(TOKENS)/stdlib-val.idx
 	$(VENV)/bin/v17 plan --model tiny
-	$(VENV)/bin/v17 fit --config configs/tiny-cpu.yaml
+	$(VENV)/bin/v17 fit --config configs/tiny-cpu.yaml --config configs/tiny-cpu-tokens.yaml
+
+$(TOKENS)/stdlib-%.idx: $(STAMP)
+	$(VENV)/bin/v17 preprocess stdlib:$* --output $(TOKENS)/stdlib-$* --bos --workers 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests -m "not fault" --durations=25

@@ -215,7 +215,7 @@ class PackedDataModule(L.LightningDataModule):
         weights: one sampling weight per path (normalized); None: in proportion to their sizes, every sample of
             every corpus once per epoch.
         num_samples: rows per epoch with ``paths``; None: the corpora's rows added up.
-        val_paths: token files for validation with ``paths`` (None: no validation).
+        val_paths: token files for validation with ``paths`` (one file with ``packing="ffd"``; None: no validation).
         mixture_change: on resume, accept other ``paths``/``weights`` than the checkpoint's and continue from its
             position under the new mixture, repeating nothing already seen (without it such a resume is refused).
     """
@@ -257,6 +257,10 @@ class PackedDataModule(L.LightningDataModule):
             from lightning_v17.data.indexed import TokenFileDataset
 
             dataset, paths = TokenFileDataset(paths[0]), None
+            if val_paths is not None:  # ffd plans one validation file the same way
+                if len(val_paths) != 1:
+                    raise ValueError(f"packing={packing!r} plans one validation file; got data.val_paths={val_paths}")
+                val_dataset, val_paths = TokenFileDataset(val_paths[0]), None
         if self.concat and paths is None:
             raise ValueError("packing='concat' cuts token files: give data.paths")
         self.paths, self.weights, self.num_samples = paths, weights, num_samples

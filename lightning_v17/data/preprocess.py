@@ -2,7 +2,9 @@
 
 Inputs are jsonl files (one JSON object per line, the text under ``--json-key``), plain text files (one document
 per file), or directories of them (walked in sorted order; ``.jsonl``/``.json`` files are read as jsonl, every other
-file as one text document; hidden files are skipped). Documents are tokenized on ``--workers`` processes in batches,
+file as one text document; hidden files are skipped), or ``stdlib:train`` / ``stdlib:val``: a split of the
+embedded corpus (:mod:`lightning_v17.data.corpus`, the main job's data), one document per top-level definition.
+Documents are tokenized on ``--workers`` processes in batches,
 in input order, with the tokenizer's EOS appended to each; the output's dtype follows the vocabulary (``uint16``
 below 65,500 ids, else ``int32``).
 
@@ -13,6 +15,7 @@ Example::
 
     v17 preprocess data/*.jsonl --output runs/tokens/corpus --tokenizer byte --workers 2
     v17 preprocess docs/ --output runs/tokens/docs --tokenizer /path/to/hf_tokenizer_dir
+    v17 preprocess stdlib:train --output runs/tokens/stdlib-train --bos    # the embedded corpus, as make run does
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from lightning_v17.data.indexed import IndexedWriter, token_dtype
 from lightning_v17.data.tokenizer import ByteTokenizer
 
 JSONL_SUFFIXES = (".jsonl", ".json")
+STDLIB_SPLITS = ("stdlib:train", "stdlib:val")  # the embedded corpus's splits, as inputs
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,14 @@ class PreprocessSummary:
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------
-def input_files(inputs: Sequence[str | os.PathLike]) -> list[Path]:
-    """Files named by ``inputs`` (files as given; directories walked in sorted order, hidden entries skipped)."""
-    files: list[Path] = []
+def input_files(inputs: Sequence[str | os.PathLike]) -> list[Path | str]:
+    """Files named by ``inputs`` (files as given; directories walked in sorted order, hidden entries skipped); a
+    ``stdlib:<split>`` input stays as it is."""
+    files: list[Path | str] = []
     for item in inputs:
+        if str(item) in STDLIB_SPLITS:
+            files.append(str(item))
+            continue
         path = Path(item)
         if path.is_dir():
             for dirpath, dirnames, filenames in os.walk(path):
@@ -77,10 +85,16 @@ def input_files(inputs: Sequence[str | os.PathLike]) -> list[Path]:
     return files
 
 
-def iter_texts(files: Sequence[Path], *, json_key: str = "text") -> Iterator[str]:
-    """Every document of ``files`` in order: a jsonl line's ``json_key`` field, or a whole text file."""
+def iter_texts(files: Sequence[Path | str], *, json_key: str = "text") -> Iterator[str]:
+    """Every document of ``files`` in order: a jsonl line's ``json_key`` field, a whole text file, or the
+    documents of an embedded-corpus split."""
     for path in files:
-        if path.suffix in JSONL_SUFFIXES:
+        if isinstance(path, str):  # stdlib:<split>
+            from lightning_v17.data.corpus import load_stdlib_documents
+
+            split = path.split(":", 1)[1]
+            yield from (d.text for d in load_stdlib_documents() if d.split == split)
+        elif path.suffix in JSONL_SUFFIXES:
             with open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
                     if not line.strip():
@@ -247,7 +261,7 @@ def preprocess(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="v17 preprocess", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("inputs", nargs="+", help="jsonl files, text files, or directories of them")
+    p.add_argument("inputs", nargs="+", help="jsonl files, text files, directories of them, or stdlib:train|val")
     p.add_argument("--output", "-o", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--tokenizer", default="byte", help="'byte' or a local Hugging Face tokenizer directory")
     p.add_argument("--json-key", default="text", help="the field of each jsonl record holding its text")

@@ -125,3 +125,23 @@ def test_sigkill_mid_way_leaves_no_complete_looking_pair(tmp_path):
     assert all(n.endswith(".tmp") for n in names), names
     with pytest.raises(TokenFileError, match="no index file"):
         IndexedReader(out)
+
+
+def test_the_embedded_corpus_split_as_input_is_what_the_main_job_trains_on(tmp_path):
+    """``stdlib:val --bos`` (what make run preprocesses) holds the val split's documents as the in-memory corpus
+    tokenizes them (BOS + bytes + EOS), and a ffd PackedDataModule plans train and validation rows from the files."""
+    from lightning_v17.data import PackedDataModule
+    from lightning_v17.data.corpus import StdlibCorpus
+
+    out = tmp_path / "stdlib-val"
+    proc = _run(["preprocess", "stdlib:val", "--output", str(out), "--bos", "--quiet"])
+    assert proc.returncode == 0, proc.stderr
+    ds, want = TokenFileDataset(out), StdlibCorpus("val")
+    assert len(ds) == len(want) > 100
+    for i in range(len(want)):
+        np.testing.assert_array_equal(ds[i].astype(np.int64), want[i].numpy())
+    dm = PackedDataModule(paths=[str(out)], val_paths=[str(out)], packing="ffd", seq_len=256, batch_size=2)
+    dm.setup("fit")
+    assert dm.val_rows is not None and len(dm.val_rows) == len(dm.train_rows) > 0
+    with pytest.raises(ValueError, match="plans one validation file"):
+        PackedDataModule(paths=[str(out)], val_paths=[str(out), str(out)], packing="ffd")
