@@ -22,6 +22,10 @@ RECIPES = {
 }
 
 
+#: configs layered on another (``v17 fit --config BASE --config LAYER``): layer -> base
+LAYERED = {"tiny-cpu-tokens.yaml": "tiny-cpu.yaml"}
+
+
 def _recorded(path: Path) -> list[str] | None:
     from lightning_v17.planner.emit import recorded_command
 
@@ -37,14 +41,21 @@ def test_there_are_configs():
 
 
 def print_config(path) -> tuple[dict, dict]:
-    """(the config as the Lightning CLI resolves it with ``fit --print_config``, the file as written)."""
+    """(the config as the Lightning CLI resolves it with ``fit --print_config``, the file as written); a layered
+    file is resolved on its base, and its sections are laid over the base's (what ``--config`` twice does)."""
     from lightning_v17.trainer_cli import run_lightning_cli
 
+    path = Path(path)
+    files = [path.parent / LAYERED[path.name], path] if path.name in LAYERED else [path]
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-        run_lightning_cli(["fit", "--config", str(path), "--print_config"])
+        run_lightning_cli(["fit", *[a for f in files for a in ("--config", str(f))], "--print_config"])
     assert exit_info.value.code == 0
-    return yaml.safe_load(out.getvalue()), yaml.safe_load(Path(path).read_text())
+    raw: dict = {}
+    for f in files:
+        for section, value in yaml.safe_load(f.read_text()).items():
+            raw[section] = {**raw[section], **value} if isinstance(value, dict) and section in raw else value
+    return yaml.safe_load(out.getvalue()), raw
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -62,6 +73,8 @@ def test_config_parses(path):
     init_args = resolved["trainer"]["strategy"].get("init_args") or {}
     for key, value in (raw["trainer"]["strategy"].get("init_args") or {}).items():
         assert init_args[key] == value, key
+    for key, value in (raw.get("data") or {}).items():  # the data options survive too (a layer's among them)
+        assert resolved["data"][key] == value, key
     strategy = V17Strategy(**init_args)
     trainer = resolved["trainer"]
     strategy.resolve_mesh(int(trainer["devices"]) * int(trainer.get("num_nodes") or 1))
