@@ -203,6 +203,29 @@ def _moe(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     return lines, [("MoE, ours / anchor", [(k, v) for k, v in bars if isinstance(v, (int, float))], [])]
 
 
+def _cp(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    """``bench/cp.py``: cp=2 in both schemes against dp=2 on half the sequence, and the chunk assignments."""
+    res, shape = report.get("results", {}), report.get("shape", {})
+    lines = [(f"One row of {_num(shape.get('seq'))} tokens per step over {report.get('world_size')} gloo ranks "
+              f"(dp2_half: each rank its own row of half as many), the reference Llama "
+              + ", ".join(f"{k}={v}" for k, v in shape.items() if k != "seq") + f", {report.get('dtype')}."), ""]
+    lines += _table(["arm", "tokens/s", "tokens per CPU-s", "peak saved-activation bytes per rank",
+                     "planner (blocks only)"],
+                    [[f"`{a}`", r.get("tokens_per_s"), r.get("tokens_per_cpu_s"), max(r.get("peak_saved_activation_bytes_per_rank") or [0]),
+                      r.get("planned_block_bytes_per_rank")] for a, r in res.items()])  # fmt: skip
+    bal = report.get("balance", {})
+    work = bal.get("max_over_mean_attention_work", {})
+    lines += ["", (f"Max/mean causal attention work per rank on {bal.get('batches')} batches of "
+                   f"{bal.get('rows_per_batch')} packed corpus rows of {_num(bal.get('seq'))} tokens (mean / worst):"),
+              ""]  # fmt: skip
+    lines += _table(["cp", "none", "head_tail", "packed"],
+                    [[k.removeprefix("cp"), *(f"{_num(v[n]['mean'])} / {_num(v[n]['worst'])}"
+                                              for n in ("none", "head_tail", "packed"))] for k, v in work.items()])
+    ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
+    lines += ["", "Ratios: " + ", ".join(f"{k} **{_num(v)}**" for k, v in ratios.items()) + "."]
+    return lines, [("context parallelism, ratios", list(ratios.items()), [])]
+
+
 def _generic(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
     lines = _table(["ratio", "value"], [[f"`{k}`", v] for k, v in ratios.items()]) if ratios else []
@@ -218,6 +241,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Report], tuple[list[str], list[tuple[s
     "packing": ("Packed against padded batches, the same documents", _packing),
     "activations": ("Saved activations against the planner", _activations),
     "moe": ("Mixture of experts: grouped experts, expert parallelism and the two dispatchers", _moe),
+    "cp": ("Context parallelism: Ulysses and all-gathered K/V against dp on half the sequence", _cp),
 }
 
 

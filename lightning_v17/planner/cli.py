@@ -24,7 +24,7 @@ import shlex
 import sys
 from typing import Any
 
-from lightning_v17.config import OptimizerKind, Precision, Recompute, Schedule, Tier, ZeroPolicy
+from lightning_v17.config import CPMode, OptimizerKind, Precision, Recompute, Schedule, Tier, ZeroPolicy
 from lightning_v17.planner.hardware import ACCELERATORS
 from lightning_v17.planner.model import PLANNER_ONLY_PRESETS, PRESETS, Arch, ModelShape, get_preset, with_overrides
 from lightning_v17.planner.model_search import max_model
@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--arch", help="llama or gpt (default llama)")
     for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
         g.add_argument(f"--{flag}", type=_positive_int, help=f"model {flag} (overrides the preset's)")
-    g.add_argument("--seq", type=_positive_int, help="training sequence length (default: the shape's)")
+    g.add_argument("--seq", "--seq-len", dest="seq", type=_positive_int,
+                   help="training sequence length (default: the shape's)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpu", help=f"accelerator: {', '.join(ACCELERATORS)} (default h100-80gb)")
     c.add_argument("--gpus", type=_positive_int, help="world size (default: dp * tp * pp * cp, or one node)")
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("layout and training (unset: chosen by the decision tree)")
     for flag in ("tp", "pp", "dp", "cp"):
         t.add_argument(f"--{flag}", type=_positive_int, help=f"{flag} size")
+    t.add_argument("--cp-mode", default="auto",
+                   help="attention scheme under cp > 1: ulysses (all-to-all, cp must divide the heads), allgather "
+                        "(K/V all-gathered, any cp) or auto (the one that sends fewer elements; default)")
     t.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism (default: on when tp > 1)")
     t.add_argument("--zero-stage", type=_zero_stage, help="ZeRO stage 0-3")
@@ -238,7 +242,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         offload_optimizer=Tier.parse(args.offload_optimizer, "--offload-optimizer"),
         offload_params=Tier.parse(args.offload_params, "--offload-params"), fp8=args.fp8,
         mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s, op_times=_op_times(args.op_times, args.op_cv),
-        p2p_time=args.p2p_time, ep=args.ep,
+        p2p_time=args.p2p_time, ep=args.ep, cp_mode=CPMode.parse(args.cp_mode, "--cp-mode"),
     )  # fmt: skip
     return model, cluster, train
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_v17.config import Recompute, ZeroPolicy
+from lightning_v17.config import CPMode, Recompute, V17ConfigError, ZeroPolicy
 
 
 @dataclass(frozen=True)
@@ -109,26 +109,121 @@ def pp_comm_bytes_per_microbatch(
     return math.ceil(2 * seq * micro_batch * hidden / tp * element_bytes * virtual_stages)
 
 
+def ulysses_kv_replication(cp: int, *, heads: int, kv_heads: int) -> int | None:
+    """How many times Ulysses replicates each KV head so that every cp rank receives whole KV groups (1: none), or
+    None where Ulysses cannot run: cp must divide the query heads, and divide the KV heads or be a multiple of them.
+
+    Source: DeepSpeed-Ulysses (Jacobs 2023) shards the heads over the sequence-parallel ranks; ALST (Bekman 2025)
+    replicates KV heads when cp exceeds them. The same rule as ``lightning_v17.engine.cp.check_ulysses_heads``.
+    """
+    if heads % cp:
+        return None
+    if kv_heads % cp == 0:
+        return 1
+    return cp // kv_heads if cp % kv_heads == 0 else None
+
+
+def cp_forward_elements_per_layer(mode: CPMode | str, *, seq: int, cp: int, heads: int, kv_heads: int,
+                                  head_dim: int) -> float:
+    """Elements one rank sends through the cp collectives of one attention layer, per row, in forward.
+
+    Sources: DeepSpeed-Ulysses (Jacobs 2023 §3.1): an all-to-all of q, k, v before attention and of the output
+    after it, each rank keeping 1/cp of its S/cp tokens' heads and sending the rest, so
+    ``(2 Hq + 2 Hkv') D (S/cp) (cp-1)/cp`` with ``Hkv' = max(Hkv, cp)`` after ALST's KV replication; all-gathered
+    K/V (Llama 3, Dubey 2024 §3.3.2): a ring all-gather of the ``2 Hkv D S`` elements of K and V sends
+    ``2 Hkv D S (cp-1)/cp``. The backward moves the same again (the all-to-alls' adjoints; the reduce-scatter of
+    the gathered K/V's gradient). ``lightning_v17.engine.cp.cp_comm_elements`` is the engine's copy of this count,
+    and a test holds the two equal.
+    """
+    mode = CPMode.parse(mode)
+    frac = ring_fraction(cp)
+    if mode == CPMode.ULYSSES:
+        return (2 * heads + 2 * max(kv_heads, cp)) * head_dim * (seq / cp) * frac
+    if mode == CPMode.ALLGATHER:
+        return 2 * kv_heads * head_dim * seq * frac
+    raise ValueError("cp_forward_elements_per_layer needs a concrete mode (ulysses or allgather), not 'auto'")
+
+
+def choose_cp_mode(mode: CPMode | str, *, cp: int, heads: int, kv_heads: int) -> tuple[CPMode, str]:
+    """The cp attention scheme and why, by the engine's rule (``lightning_v17.engine.cp.choose_cp_mode``).
+
+    ``auto`` takes ulysses where the heads allow it (:func:`ulysses_kv_replication`) and it sends fewer elements
+    (:func:`cp_forward_elements_per_layer`), which is when ``cp > (Hq + Hkv) / Hkv`` (cp > 5 for Llama-3-8B);
+    allgather otherwise. An explicit ``ulysses`` the heads do not allow raises, naming the fix.
+
+    Returns:
+        (mode, reason): ``ulysses`` or ``allgather``, and one sentence for the report.
+    """
+    mode = CPMode.parse(mode)
+    ok = ulysses_kv_replication(cp, heads=heads, kv_heads=kv_heads) is not None
+    if mode == CPMode.ULYSSES and not ok:
+        raise V17ConfigError(
+            f"cp_mode='ulysses' with cp={cp}: cp must divide the {heads} query heads and divide or be a multiple of "
+            f"the {kv_heads} KV heads; use cp_mode='allgather' (any cp degree) or another cp"
+        )
+    if mode == CPMode.ALLGATHER:
+        return mode, "allgather: asked for (--cp-mode allgather)"
+    if mode == CPMode.ULYSSES:
+        return mode, "ulysses: asked for (--cp-mode ulysses)"
+    if not ok:
+        return CPMode.ALLGATHER, (f"auto: allgather, since ulysses needs cp={cp} to divide the {heads} query heads "
+                                  f"and to divide or be a multiple of the {kv_heads} KV heads")
+    if cp == 1:
+        return CPMode.ALLGATHER, "auto: cp=1 sends nothing either way (allgather, as the engine resolves it)"
+    dims = {"seq": cp, "cp": cp, "heads": heads, "kv_heads": kv_heads, "head_dim": 1}
+    uly, ag = (cp_forward_elements_per_layer(m, **dims) for m in (CPMode.ULYSSES, CPMode.ALLGATHER))
+    pick = CPMode.ULYSSES if uly < ag else CPMode.ALLGATHER
+    return pick, (f"auto: {pick.value} sends {min(uly, ag) / max(uly, ag):.2f}x the elements of "
+                  f"{(CPMode.ALLGATHER if pick == CPMode.ULYSSES else CPMode.ULYSSES).value} per layer; ulysses "
+                  f"moves less only when cp > (Hq + Hkv)/Hkv = {(heads + kv_heads) / kv_heads:g}")
+
+
 def cp_comm_bytes_per_layer(
-    *, seq: int, micro_batch: int, kv_dim: int, cp: int, element_bytes: int = 2, recompute: Recompute = Recompute.NONE
+    *,
+    seq: int,
+    micro_batch: int,
+    kv_dim: int,
+    cp: int,
+    element_bytes: int = 2,
+    recompute: Recompute = Recompute.NONE,
+    mode: CPMode | str | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
 ) -> int:
     """Context-parallel traffic of one layer for one micro-batch, per rank, in bytes.
 
-    Source: Megatron-Core context parallelism (all-gather K and V in forward, all-gather again and reduce-scatter
-    dK/dV in backward; ring attention, Liu 2023, moves the same volume point-to-point). K and V together are
-    2·b·s·kv_dim elements, so three passes move 6·b·s·kv_dim·(cp - 1)/cp elements per rank. Full recompute adds
-    the forward's gather once more.
+    ``mode`` ``ulysses`` or ``allgather`` (what ``V17Strategy(cp=...)`` runs): :func:`cp_forward_elements_per_layer`
+    in forward and the same in backward, times ``micro_batch`` rows; recompute (selective or full, which rerun the
+    attention's inputs, the collectives included) sends the forward once more. Ulysses needs ``heads`` and
+    ``kv_heads`` (the head width is ``kv_dim / kv_heads``).
+
+    ``mode`` None: Megatron-Core's all-gather context parallelism, which does not keep the gathered K/V (all-gather
+    K and V in forward, all-gather again and reduce-scatter dK/dV in backward; ring attention, Liu 2023, moves the
+    same volume point-to-point). K and V together are 2·b·s·kv_dim elements, so three passes move
+    6·b·s·kv_dim·(cp - 1)/cp elements per rank. Full recompute adds the forward's gather once more.
     """
     recompute = Recompute.parse(recompute, "recompute")
-    passes = 4 if recompute == Recompute.FULL else 3
-    return math.ceil(passes * 2 * micro_batch * seq * kv_dim * ring_fraction(cp) * element_bytes)
+    if mode is None:
+        passes = 4 if recompute == Recompute.FULL else 3
+        return math.ceil(passes * 2 * micro_batch * seq * kv_dim * ring_fraction(cp) * element_bytes)
+    mode = CPMode.parse(mode)
+    kv_heads = kv_heads or 1
+    if mode == CPMode.ULYSSES and heads is None:
+        raise ValueError("cp_comm_bytes_per_layer(mode='ulysses') needs heads= and kv_heads=")
+    forward = cp_forward_elements_per_layer(mode, seq=seq, cp=cp, heads=heads or 0, kv_heads=kv_heads,
+                                            head_dim=kv_dim // kv_heads)
+    passes = 2 if recompute == Recompute.NONE else 3
+    return math.ceil(passes * forward * micro_batch * element_bytes)
 
 
 __all__ = [
     "Collective",
+    "choose_cp_mode",
     "cp_comm_bytes_per_layer",
+    "cp_forward_elements_per_layer",
     "dp_comm_bytes",
     "pp_comm_bytes_per_microbatch",
     "ring_fraction",
     "tp_comm_bytes_per_layer",
+    "ulysses_kv_replication",
 ]

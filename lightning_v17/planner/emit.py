@@ -20,7 +20,16 @@ from typing import Any
 
 import yaml
 
-from lightning_v17.config import OffloadPolicy, OptimizerKind, PipelinePolicy, Precision, Tier, TPPolicy, V17ConfigError
+from lightning_v17.config import (
+    CPMode,
+    OffloadPolicy,
+    OptimizerKind,
+    PipelinePolicy,
+    Precision,
+    Tier,
+    TPPolicy,
+    V17ConfigError,
+)
 from lightning_v17.planner.plan import Plan
 from lightning_v17.planner.report import fmt_bytes, fmt_count
 
@@ -146,8 +155,9 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
         "zero_stage": lay.zero.stage, "activation_checkpointing": lay.recompute.value, "dp_replicate": 1,
         "dp_shard": lay.dp, "tp": lay.tp, "pp": lay.pp,
     }  # fmt: skip
-    if lay.cp > 1:
-        args["cp"] = lay.cp  # CPPolicy's defaults: the scheme chosen from the heads, head-tail chunks
+    if lay.cp > 1:  # CPPolicy's defaults: the scheme chosen from the heads (the plan's, by the same rule), head-tail
+        asked = plan.cp.requested if plan.cp is not None else CPMode.AUTO
+        args["cp"] = lay.cp if asked == CPMode.AUTO else {"size": lay.cp, "mode": asked.value}
     if lay.ep > 1:
         args["ep"] = lay.ep  # MeshSpec.ep: the experts over ep ranks folded out of dp_shard
     if lay.pp > 1:

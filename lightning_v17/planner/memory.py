@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_v17.config import FP8Recipe, OptimizerKind, Precision, Recompute, Schedule, ZeroPolicy
+from lightning_v17.config import CPMode, FP8Recipe, OptimizerKind, Precision, Recompute, Schedule, ZeroPolicy
 from lightning_v17.planner.model import Arch, ModelShape
 
 #: Activation element size in bytes behind Korthikanti 2022 Table 2 (16-bit activations, 1-byte dropout masks).
@@ -309,8 +309,12 @@ def activation_bytes_per_layer_of(
     cp: int = 1,
     element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
     fp8: FP8Recipe | str | None = None,
+    cp_mode: CPMode | str | None = None,
 ) -> int:
     """Activation bytes per block for ``shape``, per rank, for one micro-batch: the count that fits its family.
+
+    Context parallelism divides every per-token term by cp (each rank holds S/cp tokens); under ``cp_mode``
+    ``allgather`` (cp > 1) :func:`cp_allgather_delta_bytes_per_layer` is added, for any family.
 
     ``llama`` (the reference model): :func:`llama_activation_bytes_per_layer`, Korthikanti 2022 Table 2 redone term
     by term for RMSNorm, RoPE, GQA, fused attention and SwiGLU, and held against a run. ``gpt``: Korthikanti 2022
@@ -325,8 +329,12 @@ def activation_bytes_per_layer_of(
     kwargs = {"seq": seq, "micro_batch": micro_batch, "hidden": shape.hidden, "heads": shape.heads, "tp": tp,
               "sp": sp, "recompute": recompute, "cp": cp, "element_bytes": element_bytes}
     recipe = None if fp8 is None else FP8Recipe(fp8)
+    gathered = 0
+    if cp > 1 and cp_mode is not None and CPMode.parse(cp_mode) == CPMode.ALLGATHER:
+        gathered = cp_allgather_delta_bytes_per_layer(seq=seq, micro_batch=micro_batch, kv_dim=shape.kv_dim, cp=cp,
+                                                      tp=tp, recompute=recompute, element_bytes=element_bytes)
     if Arch.parse(shape.arch) == Arch.LLAMA:
-        base = llama_activation_bytes_per_layer(kv_heads=shape.kv_heads, ffn=shape.ffn, **kwargs)
+        base = gathered + llama_activation_bytes_per_layer(kv_heads=shape.kv_heads, ffn=shape.ffn, **kwargs)
         if recipe is None:
             return base
         return base + fp8_activation_delta_bytes_per_layer(
@@ -338,7 +346,42 @@ def activation_bytes_per_layer_of(
             "fp8='delayed' activation bytes are derived for the llama block (RMSNorm, GQA, SwiGLU Linears); this "
             f"shape's arch is {shape.arch!r}: plan it without fp8 or as a llama shape"
         )
-    return activation_bytes_per_layer(**kwargs)
+    return gathered + activation_bytes_per_layer(**kwargs)
+
+
+def cp_allgather_delta_bytes_per_layer(
+    *,
+    seq: int,
+    micro_batch: int,
+    kv_dim: int,
+    cp: int,
+    tp: int = 1,
+    recompute: Recompute = Recompute.NONE,
+    element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
+) -> int:
+    """What all-gathered K/V context parallelism adds to one block's saved activations, per rank, per micro-batch.
+
+    Sources: Llama 3 (Dubey 2024 §3.3.2): every rank all-gathers the K and V of the whole row; our
+    ``engine/cp/allgather.py`` then runs SDPA with a boolean ``[B, 1, S/cp, S]`` causal, per-document mask. With
+    s = seq, b = micro_batch, kv = kv_dim, e = ``element_bytes``, per block, recompute ``none``:
+
+    * the gathered K and V, ``2·b·s·kv·e`` (the full K/V, kept by SDPA for its backward), in place of the local
+      tokens' K and V that :func:`llama_activation_bytes_per_layer` counts (``2·b·(s/cp)·kv·e``): net
+      ``2·b·s·kv·e·(cp - 1)/cp``;
+    * the mask: SDPA turns a boolean mask into an additive one of the activation dtype and keeps it,
+      ``b·(s/cp)·s·e``, quadratic in s (a FlexAttention block mask or a varlen kernel would not have it).
+
+    Measured on CPU (fp32, 2 gloo ranks, ``tests/dist/test_cp_memory.py``) to within a few KB per block. Under
+    recompute ``selective`` or ``full`` both are inputs of SDPA, recomputed in backward with the all-gather, so
+    they are transient (one block at a time) and 0 is counted. Under TP the KV heads divide by t.
+    """
+    recompute = Recompute.parse(recompute, "recompute")
+    if cp <= 1 or recompute != Recompute.NONE:
+        return 0
+    e = element_bytes
+    kv = 2 * micro_batch * seq * (kv_dim / tp) * e * (cp - 1) / cp
+    mask = micro_batch * (seq / cp) * seq * e
+    return math.ceil(kv + mask)
 
 
 def fp8_activation_delta_bytes_per_layer(
@@ -510,6 +553,7 @@ __all__ = [
     "activation_bytes_first_stage",
     "activation_bytes_per_layer",
     "activation_bytes_per_layer_of",
+    "cp_allgather_delta_bytes_per_layer",
     "fp8_activation_delta_bytes_per_layer",
     "fp8_gathered_params",
     "grad_bucket_bytes",

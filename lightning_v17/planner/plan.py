@@ -12,6 +12,7 @@ import math
 from dataclasses import astuple, dataclass, field, replace
 
 from lightning_v17.config import (
+    CPMode,
     FP8Recipe,
     OptimizerKind,
     PipelinePolicy,
@@ -60,6 +61,8 @@ class Layout:
     fp8: FP8Recipe | None = None
     #: expert-parallel size, folded out of the data-parallel ranks (not a factor of ``gpus``)
     ep: int = 1
+    #: the cp attention scheme, resolved (``ulysses`` or ``allgather``); None at cp = 1
+    cp_mode: CPMode | None = None
 
     @property
     def gpus(self) -> int:
@@ -106,6 +109,28 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class CPReport:
+    """The cp attention scheme of a plan and what each scheme would send (``planner.comm``).
+
+    Args:
+        mode: the scheme the plan uses (``ulysses`` or ``allgather``).
+        requested: what was asked (``auto`` or the mode itself).
+        why: the reason, in one sentence.
+        bytes_per_layer: {scheme: bytes one rank sends per layer and micro-batch, forward and backward (and the
+            recompute's forward)}; ulysses is absent where the heads do not allow it.
+    """
+
+    mode: CPMode
+    requested: CPMode
+    why: str
+    bytes_per_layer: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode.value, "requested": self.requested.value, "why": self.why,
+                "bytes_per_layer": dict(self.bytes_per_layer)}
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything the planner computed. :mod:`lightning_v17.planner.report` renders it."""
 
@@ -134,6 +159,8 @@ class Plan:
     bubble_inputs: str = "T_F = T_B = T_W"
     #: the MoE section (expert parallelism, dispatch traffic); None for a dense model
     moe: moe_.MoEReport | None = None
+    #: the context-parallel section (the scheme, why, both schemes' bytes); None at cp = 1 or without a shape
+    cp: CPReport | None = None
 
     @property
     def fits(self) -> bool:
@@ -191,7 +218,7 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
     if shape is not None:
         per_layer = mem.activation_bytes_per_layer_of(
             shape, seq=lay.seq, micro_batch=lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
-            cp=lay.cp, element_bytes=element, fp8=lay.fp8,
+            cp=lay.cp, element_bytes=element, fp8=lay.fp8, cp_mode=lay.cp_mode,
         )  # fmt: skip
         if shape.moe_blocks:  # the mean over the blocks: exact in sum at pp = 1
             delta = moe_.moe_activation_delta_bytes_per_layer(shape, seq=lay.seq, micro_batch=lay.micro_batch, tp=lay.tp,
@@ -207,6 +234,11 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
                                            float8_params=mem.fp8_gathered_params(shape, lay.fp8))  # fmt: skip
         if lay.pp == 1:
             temp += mem.logits_bytes(seq=lay.seq // lay.cp, micro_batch=lay.micro_batch, vocab=shape.vocab, tp=lay.tp)
+        if lay.cp_mode == CPMode.ALLGATHER and lay.recompute != Recompute.NONE:
+            # recompute rebuilds one block's gathered K/V and mask at a time in backward: transient, not saved
+            temp += mem.cp_allgather_delta_bytes_per_layer(seq=lay.seq, micro_batch=lay.micro_batch,
+                                                           kv_dim=shape.kv_dim, cp=lay.cp, tp=lay.tp,
+                                                           element_bytes=element)
     if shard > 1:
         temp += mem.grad_bucket_bytes(zero=lay.zero)
     tiers = off.tier_bytes(
@@ -264,6 +296,8 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
     tp = train.tp or rec.tp
     pp = train.pp or rec.pp
     cp = train.cp or 1
+    if train.cp is None and train.dp is None and rec.cp > 1 and (cluster.gpus or 0) % (tp * pp * rec.cp) == 0:
+        cp = rec.cp  # the tree's "+CP" (_recommend_cp) where the world holds it
     _, dp = _resolve_world(cluster, train, tp, pp, cp)
     m, g = _resolve_batch(train, dp=dp, pp=pp)
     schedule = train.schedule or rec.schedule
@@ -278,10 +312,14 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
     if ep is None:  # the tree's expert parallelism, where V17Strategy composes it: data parallelism alone
         plain = tp == pp == cp == 1 and train.offload_optimizer == train.offload_params == Tier.NONE
         ep = moe_.recommend_ep(model.shape.num_experts, dp_shard=dp) if rec.ep > 1 and plain else 1
+    cp_mode = None
+    if cp > 1 and model.shape is not None:
+        cp_mode = comm_.choose_cp_mode(train.cp_mode, cp=cp, heads=model.shape.heads,
+                                       kv_heads=model.shape.kv_heads)[0]
     return Layout(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, schedule=schedule,
                   virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
                   optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
-                  offload_params=train.offload_params, fp8=train.fp8, ep=ep)
+                  offload_params=train.offload_params, fp8=train.fp8, ep=ep, cp_mode=cp_mode)
 
 
 def _validate(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
@@ -335,6 +373,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     )  # fmt: skip
     if world is None:
         rec = replace(rec, dp=train.dp)
+    rec = _recommend_cp(model, cluster, train, rec)
 
     # The tree's own layout (its sizes; only the batch flags from the user) and the cheapest recompute that fits it.
     rec_train = replace(train, tp=None, pp=None, cp=None, sp=None, zero=None, schedule=None,
@@ -385,10 +424,13 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
                                             tp=lay.tp, element_bytes=element, recompute=lay.recompute)
         kind = "reduce-scatter+all-gather" if lay.sp else "all-reduce"
         collectives.append(comm_.Collective(f"tp {kind} (activations)", "tp", per * per_rank_layers))
+    cp_report = None
     if shape is not None and lay.cp > 1:
-        per = comm_.cp_comm_bytes_per_layer(seq=lay.seq, micro_batch=lay.micro_batch, kv_dim=shape.kv_dim,
-                                            cp=lay.cp, element_bytes=element, recompute=lay.recompute)
-        collectives.append(comm_.Collective("cp all-gather/reduce-scatter (K,V)", "cp", per * per_rank_layers))
+        cp_report = _cp_report(shape, lay, train.cp_mode, element)
+        per = cp_report.bytes_per_layer[lay.cp_mode.value]
+        name = ("cp all-to-all (q,k,v,out)" if lay.cp_mode == CPMode.ULYSSES
+                else "cp all-gather/reduce-scatter (K,V)")
+        collectives.append(comm_.Collective(name, "cp", per * per_rank_layers))
     if shape is not None and lay.pp > 1:
         per = comm_.pp_comm_bytes_per_microbatch(seq=seq_local, micro_batch=lay.micro_batch, hidden=shape.hidden,
                                                  tp=lay.tp, element_bytes=element, virtual_stages=lay.virtual_stages)
@@ -462,8 +504,51 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         offload_time_s=offload_s,
         checkpoint_write_s=write_s, cluster_mtbf_s=mtbf_s, young_s=res.young_interval_s(write_s, mtbf_s),
         daly_s=res.daly_interval_s(write_s, mtbf_s), warnings=tuple(warnings), notes=tuple(notes),
-        bubble_inputs=_bubble_inputs(train), moe=moe,
+        bubble_inputs=_bubble_inputs(train), moe=moe, cp=cp_report,
     )  # fmt: skip
+
+
+def _cp_report(shape, lay: Layout, requested: CPMode, element: int) -> CPReport:
+    """Both schemes' bytes per layer (ulysses only where the heads allow it) and why the plan's was chosen."""
+    _, why = comm_.choose_cp_mode(requested, cp=lay.cp, heads=shape.heads, kv_heads=shape.kv_heads)
+    modes = [CPMode.ALLGATHER]
+    if comm_.ulysses_kv_replication(lay.cp, heads=shape.heads, kv_heads=shape.kv_heads) is not None:
+        modes.insert(0, CPMode.ULYSSES)
+    per = {m.value: comm_.cp_comm_bytes_per_layer(seq=lay.seq, micro_batch=lay.micro_batch, kv_dim=shape.kv_dim // lay.tp,
+                                                  cp=lay.cp, element_bytes=element, recompute=lay.recompute, mode=m,
+                                                  heads=shape.heads // lay.tp, kv_heads=max(1, shape.kv_heads // lay.tp))
+           for m in modes}  # fmt: skip
+    return CPReport(mode=lay.cp_mode, requested=requested, why=why, bytes_per_layer=per)
+
+
+def _recommend_cp(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
+                  rec: recipes.Recommendation) -> recipes.Recommendation:
+    """The tree's "+CP for long sequences" (design §17.4): at seq >= ``recipes.LONG_SEQUENCE``, for a dense layout
+    without tp, pp or ep (what V17Strategy composes cp with), when it does not fit at cp = 1 even with full recompute, the smallest power-of-two cp (dividing the world over
+    tp·pp and the sequence by 2cp, for head-tail chunks) whose layout fits with some recompute; cp = 1 otherwise."""
+    shape, world = model.shape, cluster.gpus
+    seq = train.seq or (shape.seq if shape is not None else None)
+    if shape is None or world is None or seq is None or seq < recipes.LONG_SEQUENCE or train.cp is not None:
+        return rec
+    if rec.tp > 1 or rec.pp > 1 or rec.ep > 1 or (train.ep or 1) > 1 or shape.num_experts:
+        return rec  # V17Strategy composes cp with data parallelism (ZeRO) only: the note stays a note
+    base = replace(train, tp=None, pp=None, cp=None, sp=None, zero=None, schedule=None, virtual_stages=None, dp=None,
+                   ep=None, recompute=None)
+    cp, group = 1, rec.tp * rec.pp
+    while world % (group * cp) == 0 and seq % (2 * cp) == 0:
+        try:
+            lay = _layout(model, cluster, replace(base, cp=cp), replace(rec, cp=cp), Recompute.FULL)
+        except V17ConfigError:
+            break
+        if memory_for(model, lay).tiers.gpu <= cluster.usable_memory_bytes:
+            if cp == 1:
+                return rec
+            note = (f"seq={seq}: the activations at cp=1 do not fit; cp={cp} ({lay.cp_mode.value}) splits them "
+                    f"over {cp} ranks of each row")
+            notes = tuple(n for n in rec.notes if "add context parallelism" not in n) + (note,)
+            return replace(rec, cp=cp, dp=world // (group * cp), notes=notes)
+        cp *= 2
+    return rec
 
 
 def _bubble_inputs(train: TrainSpec) -> str:
@@ -477,4 +562,4 @@ def _bubble_inputs(train: TrainSpec) -> str:
     return words
 
 
-__all__ = ["ClusterSpec", "Layout", "Memory", "ModelSpec", "Plan", "TrainSpec", "make_plan", "memory_for"]
+__all__ = ["CPReport", "ClusterSpec", "Layout", "Memory", "ModelSpec", "Plan", "TrainSpec", "make_plan", "memory_for"]

@@ -49,7 +49,8 @@ class Recommendation:
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
         dp: data-parallel size (None when the world size is unknown).
-        cp: context-parallel size (1: the tree's "+CP" is a note, not a choice, while cp is unimplemented).
+        cp: context-parallel size; ``recommend`` leaves 1 (with a note at long sequences) and
+            ``planner.plan`` raises it where the activations at cp = 1 do not fit.
         zero: the ZeRO policy (its stage).
         sp: sequence parallelism with TP.
         schedule: pipeline schedule.

@@ -114,7 +114,8 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     out.append(f"cluster : {lay.gpus} x {acc.name} ({plan.nodes} node{'s' * (plan.nodes > 1)} x {gpn}), "
                f"{fmt_bytes(acc.memory_bytes)} and {fmt_rate(peak)} ({_dtype(lay.precision)}) per device")
     ep = f" ep={lay.ep}" if plan.moe is not None else ""
-    out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp}{ep} sp={'on' if lay.sp else 'off'} "
+    cp_mode = f" ({lay.cp_mode.value})" if lay.cp_mode is not None else ""
+    out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp}{cp_mode}{ep} sp={'on' if lay.sp else 'off'} "
                f"zero={lay.zero.stage} recompute={lay.recompute.value} | {lay.optimizer.value} {lay.precision.value}"
                f" | offload optimizer={lay.offload_optimizer.value} params={lay.offload_params.value}")
     out.append(f"batch   : micro-batch {lay.micro_batch} x seq {lay.seq}, m={lay.microbatches} micro-batches, "
@@ -152,6 +153,9 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
                f"~{fmt_seconds(plan.comm_time_s)} if not overlapped")
     for c in plan.collectives:
         out.append(f"          {c.name:<44} {fmt_bytes(c.bytes_per_step):>9}")
+    if plan.cp is not None:
+        both = ", ".join(f"{m} {fmt_bytes(b)}" for m, b in plan.cp.bytes_per_layer.items())
+        out.append(f"cp      : {plan.cp.mode.value}, per layer and micro-batch (fwd+bwd): {both}; {plan.cp.why}")
     if lay.pp > 1:
         runs = "" if schedule_info(lay.schedule).runnable else " (planner-only: the engine cannot run it)"
         out.append(f"pipeline: {lay.schedule.value} p={lay.pp} m={lay.microbatches} v={lay.virtual_stages}: "
@@ -191,7 +195,8 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     out.append("")
     rec = plan.recommendation
     rec_ep = f" ep={rec.ep}" if plan.moe is not None else ""
-    out.append(f"recommendation: tp={rec.tp} pp={rec.pp} dp={rec.dp}{rec_ep} zero={rec.zero.stage} "
+    rec_cp = f" cp={rec.cp}" if rec.cp > 1 else ""
+    out.append(f"recommendation: tp={rec.tp} pp={rec.pp} dp={rec.dp}{rec_cp}{rec_ep} zero={rec.zero.stage} "
                f"sp={'on' if rec.sp else 'off'} recompute={plan.recommended_recompute.value} "
                f"schedule={rec.schedule.value}")
     out.append(f"  why: {rec.reason}")
@@ -259,6 +264,9 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
             "notes": list(plan.notes), "warnings": list(plan.warnings),
         },
     }  # fmt: skip
+    if plan.cp is not None:
+        out["layout"]["cp_mode"] = lay.cp_mode.value
+        out["cp"] = plan.cp.to_dict()
     if plan.moe is not None:
         e = m.experts
         out["layout"]["ep"] = lay.ep

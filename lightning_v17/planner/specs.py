@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_v17.config import (
+    CPMode,
     FP8Recipe,
     OptimizerKind,
     Precision,
@@ -137,6 +138,8 @@ class TrainSpec:
         ep: expert-parallel size of a MoE shape, folded out of ``dp`` (which it must divide, as must the experts);
             None: the decision tree's when it recommends expert parallelism and the layout is data-parallel only,
             else 1.
+        cp_mode: the attention scheme under cp > 1 (``CPPolicy.mode``): "ulysses", "allgather" or "auto" (the one
+            that sends fewer elements where the heads allow it, ``planner.comm.choose_cp_mode``).
     """
 
     tp: int | None = None
@@ -162,8 +165,10 @@ class TrainSpec:
     op_times: OpTimes | None = None
     p2p_time: float = 0.0
     ep: int | None = None
+    cp_mode: CPMode = CPMode.AUTO
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cp_mode", CPMode.parse(self.cp_mode, "cp_mode"))
         if self.p2p_time < 0:
             raise ValueError(f"p2p_time={self.p2p_time} must be >= 0")
         object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer))
