@@ -93,7 +93,7 @@ def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
     if zero is None:
         zero = base.zero if stage is None else replace(base.zero, stage=stage)
     offload = objs["offload"] or base.offload
-    if Tier.NVME in (offload.optimizer, offload.params):
+    if Tier.NVME in (offload.optimizer, offload.params, offload.activations):
         from lightning_v17.engine.offload.nvme import check_nvme_path
 
         check_nvme_path(offload.nvme_path)  # exists and is writable: now, before any process starts
@@ -189,9 +189,13 @@ def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: i
                   for n in ("mode", "balance", "chunks_per_rank") if n in context]  # fmt: skip
     if policy.expert.size == 1 and "dispatcher" in expert:
         notes.append(f"ep.{_show('dispatcher', expert['dispatcher'])} applies only with ep > 1")
+    if policy.offload.activations == Tier.NONE:
+        notes += [f"offload.{_show(n, offload[n])} applies only with offload.activations='nvme'"
+                  for n in ("activation_min_kb", "resident_blocks") if n in offload]  # fmt: skip
     if "wrap_classes" in zero and not policy.zero.shards_params and policy.recompute == Recompute.NONE:
         notes.append("zero.wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")
-    if "nvme_path" in offload and Tier.NVME not in (policy.offload.optimizer, policy.offload.params):
+    if "nvme_path" in offload and Tier.NVME not in (policy.offload.optimizer, policy.offload.params,
+                                                     policy.offload.activations):
         notes.append(f"offload.{_show('nvme_path', offload['nvme_path'])} applies only to an 'nvme' offload tier "
                      "(none is set)")  # fmt: skip
     for note in notes:

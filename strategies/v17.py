@@ -440,6 +440,8 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
                 trainer.fit_loop._skip_backward = False
         if self._parallel is not None:
             self._parallel.zero.remove()  # stage 0-2 hooks off; the next setup re-attaches them
+            if self._parallel.activations is not None:
+                self._parallel.activations.close()  # its files removed; the next setup attaches a new one
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

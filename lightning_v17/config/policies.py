@@ -152,6 +152,13 @@ class OffloadPolicy:
             live on an accelerator) are faulted in anew each step (3.7M GPT on CPU: 0.81-0.92x DeepSpeed's
             tokens/s against recycle's 1.03-1.15x). ``bench/offload.py`` measures both (``nvme`` /
             ``nvme_return``, ``nvme_params`` / ``nvme_params_return``).
+        activations: where the repeated blocks' saved activations go between forward and backward: "none" or
+            "nvme" (files under ``nvme_path``, written block by block in forward, read one block ahead in backward;
+            with selective recompute, what recompute keeps; with full recompute, the blocks' inputs;
+            ``lightning_v17/engine/offload/activations.py``). "cpu" is refused: on this CPU build it would move
+            host memory to host memory, and the accelerator path (pinned buffers, a side stream) is not built.
+        activation_min_kb: saved tensors smaller than this many KiB stay in memory.
+        resident_blocks: the last blocks whose saved tensors are never offloaded (backward needs them first).
     """
 
     optimizer: Tier | str = "none"  # plain defaults: the Lightning CLI prints and parses them as written
@@ -161,11 +168,27 @@ class OffloadPolicy:
     buffer_count: int = 2
     chunk_mb: float = 4.0
     host_memory: HostMemory | str | None = None
+    activations: Tier | str = "none"
+    activation_min_kb: float = 1024.0
+    resident_blocks: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "offload_optimizer"))
         object.__setattr__(self, "params", Tier.parse(self.params, "offload_params"))
-        if Tier.NVME in (self.optimizer, self.params) and not self.nvme_path:
+        object.__setattr__(self, "activations", Tier.parse(self.activations, "offload.activations"))
+        if self.activations == Tier.CPU:
+            raise V17ConfigError(
+                "offload.activations='cpu' is not built: without an accelerator it would move host memory to host "
+                "memory and save nothing, and the accelerator path (pinned buffers, a side stream, events) is not "
+                "written yet; use 'nvme' with nvme_path=, or 'none'"
+            )
+        if isinstance(self.resident_blocks, bool) or not isinstance(self.resident_blocks, int) or self.resident_blocks < 0:
+            raise V17ConfigError(f"offload resident_blocks={self.resident_blocks!r} must be an integer >= 0")
+        if isinstance(self.activation_min_kb, bool) or not isinstance(self.activation_min_kb, (int, float)) or not (
+            self.activation_min_kb >= 0
+        ):
+            raise V17ConfigError(f"offload activation_min_kb={self.activation_min_kb!r} must be a number >= 0")
+        if Tier.NVME in (self.optimizer, self.params, self.activations) and not self.nvme_path:
             raise V17ConfigError("an 'nvme' offload tier needs nvme_path=<directory on a local NVMe drive>")
         ratio = self.optimizer_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:

@@ -5,7 +5,8 @@ Torch-free vocabulary. The strategy raises from this table at construction (:fun
 (:func:`violations`). A rule is a row ``(name, options, violated, message, fix, example)``: ``example`` is a set of
 ``V17Strategy`` arguments that violates it (a policy written as the dict of its fields, the YAML spelling), which
 ``tests/unit/test_rules.py`` constructs for every row. ``options`` name the concepts (``offload_params`` is
-``OffloadPolicy.params``, ``tp_plan`` is ``TPPolicy.plan``, ``pp_split_points`` is ``PipelinePolicy.split_points``).
+``OffloadPolicy.params``, ``offload_activations`` is ``OffloadPolicy.activations``, ``tp_plan`` is ``TPPolicy.plan``,
+``pp_split_points`` is ``PipelinePolicy.split_points``).
 """
 
 from __future__ import annotations
@@ -216,6 +217,17 @@ RULES: tuple[Rule, ...] = (
                            ("tp", "the attention heads would be split over tp and cp together"),
                            ("ep", "the cp ranks would need the MoE dispatch over their shared batch"),
                            ("dp_replicate", "ZeRO over dp_shard x cp is one flat group; HSDP beside it is planned"))
+    ),
+    Rule(
+        name="activation_offload_without_pp",
+        options=("offload_activations", "pp"),
+        violated=lambda lay: lay.pp > 1 and _tier(lay, "activations") != "none",
+        message=lambda lay: (
+            f"offload_activations={_tier(lay, 'activations')!r} with pp={lay.pp} is not implemented yet (the "
+            "schedule interleaves the micro-batches' forwards and backwards; the offload streams one block order)"
+        ),
+        fix="use offload.activations with pp=1, or offload.activations='none'",
+        example={"pp": 2, "zero_stage": 1, "offload": {"activations": "nvme", "nvme_path": "."}},
     ),
     Rule(
         name="ep_without_offload",

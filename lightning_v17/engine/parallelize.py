@@ -68,6 +68,8 @@ class Parallelized:
         fp8: the FP8 runtime (``engine.fp8.FP8Runtime``: float8 all-gather scales after each optimizer step), or
             None without ``policy.fp8``.
         ep: the expert parallelism applied with ep > 1 (``engine.ep.ExpertParallel``), else None.
+        activations: the activation offload of ``units`` (``engine.offload.activations.ActivationOffload``) with
+            ``OffloadPolicy(activations="nvme")``, else None; closed (its files removed) by the strategy's teardown.
     """
 
     module: nn.Module
@@ -78,6 +80,7 @@ class Parallelized:
     fp8_layers: tuple[str, ...] = ()
     fp8: FP8Runtime | None = None
     ep: ExpertParallel | None = None
+    activations: Any = None
 
 
 def check_composition(
@@ -184,6 +187,21 @@ def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: Train
 
 
 
+def _activation_offload(units: list[nn.Module], policy: TrainingPolicy, current: Any = None) -> Any:
+    """``OffloadPolicy(activations="nvme")``: the blocks' saved tensors to the nvme tier, attached after recompute and
+    ZeRO (``engine/offload/activations.py``); ``current`` is kept while it is open (a later fit re-attaches)."""
+    off = policy.offload
+    if off.activations == Tier.NONE or (current is not None and not current.closed):
+        return current
+    from lightning_v17.engine.offload.activations import ActivationOffload
+
+    return ActivationOffload(
+        units, tier=off.activations, nvme_path=off.nvme_path, min_bytes=int(off.activation_min_kb * 1024),
+        resident_blocks=off.resident_blocks, rank=dist.get_rank() if dist.is_initialized() else 0,
+        option="offload.activations",
+    )  # fmt: skip
+
+
 def _tp_sharded(t: torch.Tensor) -> bool:
     """Whether a (DTensor) parameter is split on some mesh axis other than the data-parallel ones: its local pieces
     differ across tp ranks by construction and must not be broadcast over tp."""
@@ -272,6 +290,7 @@ def parallelize(
                 done.ep.grad_sync.attach()
                 done.zero.expert_sync = done.ep.grad_sync
         _attach_param_offload(module, done.zero, policy)  # again after a teardown brought the shards back
+        done.activations = _activation_offload(done.units, policy, done.activations)
         return done
     spec = mesh.spec
     check_composition(policy, pp=spec.pp, tp=spec.tp, ep=spec.ep, cp=spec.cp, dp_replicate=spec.dp_replicate)
@@ -345,7 +364,7 @@ def parallelize(
         )
     out = Parallelized(
         module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute, fp8_layers=fp8_layers,
-        fp8=fp8, ep=ep,
+        fp8=fp8, ep=ep, activations=_activation_offload(units, policy),  # 8. the blocks' saved tensors to nvme
     )
     module._v17_parallel = out  # type: ignore[assignment]
     return out

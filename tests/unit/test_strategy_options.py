@@ -241,3 +241,19 @@ def test_ep_takes_its_size_or_its_policy():
         EPPolicy(size=2, dispatcher="flex")
     msgs = _warnings(lambda: _strategy(ep=EPPolicy(dispatcher="allgather")))
     assert msgs == ["V17Strategy: ep.dispatcher='allgather' applies only with ep > 1; it is ignored here"], msgs
+
+
+def test_activation_offload_options_are_checked_at_construction(tmp_path):
+    s = _strategy(offload=OffloadPolicy(activations="nvme", nvme_path=str(tmp_path), resident_blocks=2))
+    assert s.policy.offload.activations.value == "nvme" and s.policy.offload.resident_blocks == 2
+    with pytest.raises(V17ConfigError, match=r"offload.activations='cpu' is not built: without an accelerator"):
+        OffloadPolicy(activations="cpu")
+    with pytest.raises(V17ConfigError, match="needs nvme_path"):
+        OffloadPolicy(activations="nvme")
+    with pytest.raises(V17ConfigError, match="does not exist"):
+        _strategy(offload=OffloadPolicy(activations="nvme", nvme_path=str(tmp_path / "gone")))
+    with pytest.raises(V17ConfigError, match="resident_blocks=-1 must be an integer >= 0"):
+        OffloadPolicy(activations="nvme", nvme_path=str(tmp_path), resident_blocks=-1)
+    msgs = _warnings(lambda: _strategy(offload=OffloadPolicy(resident_blocks=3)))
+    assert msgs == ["V17Strategy: offload.resident_blocks=3 applies only with offload.activations='nvme'; it is "
+                    "ignored here"], msgs  # fmt: skip

@@ -2,6 +2,7 @@
 through ``handles``), the parameter tier (``params``, ``param_store``), host memory that is page-locked or recycled
 (``host_memory``) and the nvme file I/O (``nvme``: a thread pool; ``aio``: DeepSpeed's libaio op)."""
 
+from lightning_v17.engine.offload.activations import ActivationOffload, check_activation_tier
 from lightning_v17.engine.offload.aio import AioIO, aio_backend_or_reason, prebuild
 from lightning_v17.engine.offload.handles import attach_offload, materialized, offload_of
 from lightning_v17.engine.offload.host_memory import (
@@ -32,6 +33,7 @@ from lightning_v17.engine.offload.tier_io import TierIO, open_io
 __all__ = [
     "HEAP_MMAP_THRESHOLD",
     "SLOT_ALIGN",
+    "ActivationOffload",
     "AfterWrite",
     "AioIO",
     "BufferPool",
@@ -44,6 +46,7 @@ __all__ = [
     "TierIO",
     "aio_backend_or_reason",
     "attach_offload",
+    "check_activation_tier",
     "check_nvme_path",
     "fix_mmap_threshold",
     "free_margin_bytes",

@@ -1,0 +1,501 @@
+"""Activation offload to the nvme tier: what autograd saves inside the repeated blocks goes to files in forward and
+comes back, read one block ahead, in backward (torchtune's ``OffloadActivations``; Megatron's fine-grained
+activation offloading; here through the nvme tier's I/O, :mod:`~lightning_v17.engine.offload.tier_io`).
+
+* **What leaves.** Inside each block's forward, ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor
+  autograd saves; a plain, strided CPU tensor of at least ``min_bytes`` goes to a file under ``nvme_path`` through
+  the tier's backend (DeepSpeed's ``async_io`` op or the thread pool, :func:`~.tier_io.open_io`). Parameters and any
+  view of one (same storage: autograd hands pack a detached alias, so identity is by storage) and buffers never
+  leave. A tensor saved several times in a block (the normed input of ``wq``/``wk``/``wv``) is written once.
+* **One block at a time.** Writes are asynchronous; when block ``i``'s forward ends, the writes of the blocks
+  before it are waited for and their sources released, so at most the current block and one block of writes in
+  flight stay in memory. A write still in flight is checked against autograd's version counter when it completes:
+  a tensor modified in place meanwhile raises, as autograd would.
+* **Ahead in backward.** The first use of block ``i``'s saved tensors in backward (an unpack, or a selective
+  recompute cache hit) issues the reads of block ``i - 1`` in the background; the last ``resident_blocks`` blocks
+  are never written (backward needs them first). Each file is removed once read back, when its tensor is dropped
+  unused (a graph never backpropagated), and with the folder on :meth:`ActivationOffload.close`.
+* **Recompute.** ``full``: a checkpointed block saves only its inputs (``torch.utils.checkpoint``'s input saver),
+  and those are what leaves; the recomputation's own saves are checkpoint's. ``selective``
+  (:func:`~lightning_v17.engine.recompute.selective_policy`): the matmul/attention outputs recompute keeps live in
+  its cache (not in autograd), so the block's checkpoint is rebuilt with a cache that offloads them; what recompute
+  recomputes is never saved, so never written. torch 2.13's eager ``CheckpointPolicy.MUST_CPU_OFFLOAD`` recomputes
+  instead of offloading; this is the eager path that does offload.
+* **Tiers.** ``"nvme"`` only. ``"cpu"`` on a machine without an accelerator would move host memory to host memory
+  and save nothing, so it is refused with that reason; on an accelerator it needs pinned buffers, a side stream and
+  events (and the stream-capture hazard torchtitan hit), which are not built: refused too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from lightning_v17.config import Recompute, Tier, V17ConfigError
+from lightning_v17.engine import recompute as _recompute
+from lightning_v17.engine.offload.nvme import NvmeFileSet, check_nvme_path, host_buffer
+from lightning_v17.engine.offload.tier_io import TierIO, open_io
+
+__all__ = ["DEFAULT_MIN_BYTES", "ActivationOffload", "check_activation_tier"]
+
+log = logging.getLogger(__name__)
+
+STAT_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "tensors_shared", "reads_ahead", "reads_on_demand",
+             "ready_at_use")  # fmt: skip
+#: saved tensors smaller than this stay in memory (many small files cost more than they free)
+DEFAULT_MIN_BYTES = 2**20
+
+
+def check_activation_tier(tier: Tier | str, *, option: str = "activation_offload") -> Tier:
+    """The activation tier, or a refusal that names the option and the reason.
+
+    Raises:
+        V17ConfigError: ``"cpu"`` (no accelerator: a host-to-host move saves nothing; with one: not built yet), or a
+            tier that is not ``"nvme"``.
+    """
+    t = Tier.parse(tier, option)
+    if t == Tier.CPU:
+        if not torch.cuda.is_available():
+            raise V17ConfigError(
+                f"{option}='cpu' on a machine without an accelerator moves saved activations from host memory to "
+                f"host memory: it saves nothing. Use {option}='nvme' with nvme_path=<directory>, or turn it off"
+            )
+        raise V17ConfigError(
+            f"{option}='cpu' on an accelerator (pinned host buffers, a side stream and events) is not built yet; "
+            f"use {option}='nvme' with nvme_path=<directory>, or turn it off"
+        )
+    if t != Tier.NVME:
+        raise V17ConfigError(f"{option}={t.value!r}: activation offload needs {option}='nvme'")
+    return t
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers exactly ``numel`` consecutive elements of its storage (contiguous up to a permutation)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Segment:
+    """One block's forward in one pass: its position in ``blocks``, whether it stays resident, its entries."""
+
+    __slots__ = ("count", "entries", "index", "param_ptrs", "pass_id", "prev", "reads_issued", "resident", "used")
+
+    def __init__(self, index: int, pass_id: int, resident: bool, prev: _Segment | None, param_ptrs: set) -> None:
+        self.index, self.pass_id, self.resident, self.prev = index, pass_id, resident, prev
+        self.entries: list[Any] = []  # weak references to its offloaded entries
+        self.used = self.reads_issued = False
+        self.param_ptrs = param_ptrs
+        self.count = 0
+
+
+class _Kept:
+    """A saved tensor that stays in memory (its segment's use still starts the prefetch of the block ahead)."""
+
+    __slots__ = ("seg", "tensor")
+
+    def __init__(self, seg: _Segment, tensor: torch.Tensor) -> None:
+        self.seg, self.tensor = seg, tensor
+
+
+class _Entry:
+    """One offloaded tensor: its file, its layout, the write and the read in flight, the restored tensor."""
+
+    __slots__ = (
+        "__weakref__",
+        "dense",
+        "dtype",
+        "flat",
+        "key",
+        "nbytes",
+        "owner",
+        "path",
+        "read",
+        "seg",
+        "size",
+        "src",
+        "stride",
+        "value",
+        "version",
+        "write",
+    )  # fmt: skip
+
+    def __init__(self, owner: ActivationOffload, seg: _Segment, key: tuple, t: torch.Tensor, path: Path) -> None:
+        self.owner, self.seg, self.key, self.path = owner, seg, key, path
+        self.dtype, self.size, self.stride, self.dense = t.dtype, tuple(t.shape), t.stride(), _dense(t)
+        self.nbytes, self.version, self.src = t.numel() * t.element_size(), t._version, t
+        self.write: Future | None = None
+        self.read: Future | None = None
+        self.value: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # the bytes read back, as a flat tensor of ``dtype``
+
+    def result(self) -> torch.Tensor:
+        """The saved tensor back (waits for its read; reads it now if nothing read it ahead)."""
+        if self.value is None:
+            owner = self.owner
+            if owner.closed:
+                raise RuntimeError("activation offload: backward after close(); the offload files are gone")
+            if self.read is None:
+                owner._read(self, ahead=False)
+            owner.stats["ready_at_use"] += int(self.read.done())
+            try:
+                buf = self.read.result()
+            except Exception as err:
+                raise OSError(f"activation offload: reading {self.path} back failed ({err})") from err
+            self.read = None
+            _unlink(self.path)
+            flat = self.flat = buf.view(self.dtype)
+            if self.dense:
+                self.value = flat.as_strided(self.size, self.stride)
+            else:
+                self.value = torch.empty_strided(self.size, self.stride, dtype=self.dtype).copy_(flat.view(self.size))
+        return self.value
+
+    def __del__(self) -> None:  # dropped unused (no backward) or consumed: the file goes
+        if getattr(self, "value", 0) is None:
+            write = self.write
+            if write is not None and not write.done():
+                write.add_done_callback(functools.partial(_unlink_after, self.path))
+            else:
+                _unlink(self.path)
+
+
+class _View:
+    """Another view of an offloaded entry's bytes (``x`` and ``x.view(-1, h)``, both saved): one file, and views of
+    one buffer back, as the originals shared one storage."""
+
+    __slots__ = ("entry", "seg", "size", "stride", "value")
+
+    def __init__(self, entry: _Entry, size: tuple, stride: tuple) -> None:
+        self.entry, self.seg, self.size, self.stride, self.value = entry, entry.seg, size, stride, None
+
+    def result(self) -> torch.Tensor:
+        if self.value is None:
+            self.entry.result()
+            self.value = self.entry.flat.as_strided(self.size, self.stride)
+        return self.value
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _unlink_after(path: Path, _fut: Future) -> None:
+    _unlink(path)
+
+
+class _SacLeaf:
+    """A selective-recompute cache entry (torch's ``_VersionWrapper`` API: ``get_val``) whose tensor is offloaded
+    (``entry``) or kept (``kept``); either way its use starts the prefetch of the block ahead."""
+
+    __slots__ = ("entry", "kept", "owner", "seg")
+
+    def __init__(self, owner: ActivationOffload, seg: _Segment, entry: Any = None, kept: Any = None) -> None:
+        self.owner, self.seg, self.entry, self.kept = owner, seg, entry, kept
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> Any:
+        self.owner._use(self.seg)
+        if self.entry is not None:
+            return self.entry.result()
+        return self.kept.get_val(allow_cache_entry_mutation)
+
+
+class _SacSlots(dict):
+    """One op's slots of the selective-recompute cache; a cached output is offloaded as it is stored."""
+
+    def __init__(self, owner: ActivationOffload, seg: _Segment) -> None:
+        super().__init__()
+        self._owner, self._seg = owner, seg
+
+    def __setitem__(self, idx: int, value: Any) -> None:
+        if isinstance(value, (tuple, list)) or hasattr(value, "get_val"):
+            value = tree_map(self._leaf, value)
+        super().__setitem__(idx, value)
+
+    def _leaf(self, leaf: Any) -> Any:
+        if isinstance(leaf, _SacLeaf) or not hasattr(leaf, "get_val"):
+            return leaf
+        val = getattr(leaf, "val", None)
+        if isinstance(val, torch.Tensor) and self._owner._offloadable(val, self._seg):
+            return _SacLeaf(self._owner, self._seg, entry=self._owner._pack(self._seg, val))
+        return _SacLeaf(self._owner, self._seg, kept=leaf)
+
+
+class _SacStorage(defaultdict):
+    def __init__(self, owner: ActivationOffload, seg: _Segment) -> None:
+        super().__init__(functools.partial(_SacSlots, owner, seg))
+
+
+def _selective_forward(owner: ActivationOffload, orig: Any, recompute_forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """recompute's selective checkpoint of a block (same policy, same options), with the offloading cache; the block
+    called outside its ``__call__`` (no segment open) gets recompute's own."""
+    if not torch.is_grad_enabled() or not owner._stack:
+        return recompute_forward(*args, **kwargs)
+    ctx = functools.partial(owner._sac_contexts, owner._stack[-1][1])
+    return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=True, context_fn=ctx, **kwargs)
+
+
+class ActivationOffload:
+    """Offload what autograd saves inside ``blocks`` to the nvme tier, prefetched one block ahead in backward.
+
+    Attached on construction (forward hooks on the blocks; selective-recompute blocks get the offloading cache);
+    :meth:`close` (or leaving a ``with`` block) detaches it and removes its files. Nothing is needed around
+    forward/backward: each block's forward pushes and pops the hooks itself.
+
+    Args:
+        blocks: the model's repeated blocks in forward order (the recompute / ZeRO-3 units), after recompute and ZeRO
+            are applied.
+        tier: ``"nvme"`` (see :func:`check_activation_tier` for ``"cpu"``).
+        nvme_path: directory on a local drive; checked with :func:`~.nvme.check_nvme_path`.
+        min_bytes: saved tensors smaller than this stay in memory.
+        resident_blocks: the last this many blocks are never offloaded (backward needs them first).
+        rank: this process's rank (names its folder).
+        option: the user option's name, for error messages.
+
+    Raises:
+        V17ConfigError: a missing or unwritable ``nvme_path``, ``"cpu"``, a negative ``resident_blocks`` or
+            ``min_bytes``, no blocks, or blocks on an accelerator (not built).
+    """
+
+    def __init__(
+        self, blocks: Sequence[nn.Module], *, tier: Tier | str = Tier.NVME, nvme_path: str | os.PathLike | None,
+        min_bytes: int = DEFAULT_MIN_BYTES, resident_blocks: int = 1, rank: int = 0,
+        option: str = "activation_offload",
+    ) -> None:  # fmt: skip
+        check_activation_tier(tier, option=option)
+        path = check_nvme_path(nvme_path, option="nvme_path")
+        blocks = list(blocks)
+        if not blocks:
+            raise V17ConfigError(f"{option}: the model has no repeated blocks to offload; set wrap_classes")
+        if resident_blocks < 0 or min_bytes < 0:
+            raise V17ConfigError(f"{option}: resident_blocks={resident_blocks} and min_bytes={min_bytes} must be >= 0")
+        devices = {p.device.type for b in blocks for p in b.parameters()} - {"cpu", "meta"}
+        if devices:
+            raise V17ConfigError(f"{option}='nvme' of activations on {sorted(devices)} is not built yet (CPU only)")
+        self.blocks, self.min_bytes, self.resident_blocks = blocks, int(min_bytes), int(resident_blocks)
+        self.files = NvmeFileSet(path, rank=rank)
+        self.io: TierIO
+        self.io, why = open_io(self.files.folder)
+        log.info("activation offload: %s I/O (%s)", self.io.name, why)
+        #: bytes/tensors offloaded (each file once), saved bytes kept in memory, saves shared with a file already
+        #: written, reads issued one block ahead / on demand, reads already finished when their tensor was needed
+        self.stats: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
+        self.closed = False
+        self._stack: list[tuple[nn.Module, _Segment, Any]] = []  # the blocks whose forward is running
+        self._pending: deque[_Entry] = deque()  # writes in flight, oldest first
+        self._live: dict[tuple, _Entry] = {}  # sources held (writes in flight): a second save of one is shared
+        self._pass_id, self._last_index = 0, None
+        self._last_seg: _Segment | None = None
+        self._names = 0
+        self._handles: list[Any] = []
+        self._forwards: list[tuple[nn.Module, Any]] = []
+        try:
+            self._attach()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------------------------------- attach / close
+    def _attach(self) -> None:
+        for i, block in enumerate(self.blocks):
+            fwd = block.__dict__.get("forward")
+            if isinstance(fwd, functools.partial) and fwd.func is _recompute._checkpointed_forward:
+                orig, mode = fwd.args[0], Recompute.parse(fwd.args[1])
+                if mode == Recompute.SELECTIVE:
+                    self._forwards.append((block, fwd))
+                    block.forward = functools.partial(_selective_forward, self, orig, fwd)
+            self._handles.append(block.register_forward_pre_hook(functools.partial(self._enter, i)))
+            self._handles.append(block.register_forward_hook(functools.partial(self._exit, i), always_call=True))
+
+    def close(self) -> None:
+        """Detach (hooks removed, recompute's forwards restored), wait for writes in flight, remove the files
+        (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for h in self._handles:
+            h.remove()
+        for block, fwd in self._forwards:
+            block.forward = fwd
+        self._handles, self._forwards = [], []
+        while self._stack:
+            self._stack.pop()[2].__exit__(None, None, None)
+        try:
+            if hasattr(self, "io"):
+                self.io.close()
+        finally:
+            self._pending.clear()
+            self._live.clear()
+            self.files.close()
+
+    def flush(self) -> None:
+        """Wait for every write in flight and release its source (e.g. before measuring memory)."""
+        self._reap(older_than=_ALL)
+
+    def __enter__(self) -> ActivationOffload:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------- forward
+    def _enter(self, index: int, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled() or self.closed:
+            return
+        if self._last_index is None or index <= self._last_index:  # a new forward (another micro-batch, step)
+            self._pass_id += 1
+            self._last_seg = None
+        ptrs = {_storage_ptr(t) for t in _tensors(module)}
+        resident = index >= len(self.blocks) - self.resident_blocks
+        seg = _Segment(index, self._pass_id, resident, self._last_seg, ptrs)
+        self._last_seg, self._last_index = seg, index
+        hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack_hook, seg), self._unpack)
+        hooks.__enter__()
+        self._stack.append((module, seg, hooks))
+
+    def _exit(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._stack or self._stack[-1][0] is not module:
+            return
+        _, seg, hooks = self._stack.pop()
+        hooks.__exit__(None, None, None)
+        self._reap(older_than=seg)  # one block at a time: the blocks before this one are written now
+
+    def _offloadable(self, t: torch.Tensor, seg: _Segment) -> bool:
+        if seg.resident or type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided:
+            return False
+        if t.is_quantized or t.numel() * t.element_size() < self.min_bytes:
+            return False
+        if any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride())):
+            return False  # an expanded view: its storage is far smaller than it looks
+        return _storage_ptr(t) not in seg.param_ptrs  # a parameter, a view of one, or a buffer: never
+
+    def _pack_hook(self, seg: _Segment, t: torch.Tensor) -> Any:
+        # An output a node saves arrives with that node as its grad_fn: held as is, it would make a cycle through
+        # autograd's C++ graph that Python's collector cannot see (a graph never backpropagated would leak). The
+        # detached alias shares its storage and version counter; autograd re-attaches the history on unpack.
+        t = t.detach()
+        if self._offloadable(t, seg):
+            return self._pack(seg, t)
+        self.stats["bytes_kept"] += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        return _Kept(seg, t)
+
+    def _pack(self, seg: _Segment, t: torch.Tensor) -> _Entry:
+        self._reap()
+        nbytes, dense = t.numel() * t.element_size(), _dense(t)
+        if dense:  # the same bytes under any view
+            key = (_storage_ptr(t), t.storage_offset(), nbytes, t.dtype)
+        else:
+            key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        e = self._live.get(key)
+        if e is not None:  # the same bytes saved again while their source is held: one file
+            self.stats["tensors_shared"] += 1
+            if e.size == tuple(t.shape) and e.stride == t.stride():
+                return e
+            return _View(e, tuple(t.shape), t.stride())
+        self._names += 1
+        seg.count += 1
+        e = _Entry(self, seg, key, t, self.files.path(f"p{seg.pass_id}-b{seg.index}-{seg.count}-{self._names}.act"))
+        src = t.as_strided((t.numel(),), (1,), t.storage_offset()) if e.dense else t.contiguous()
+        e.write = self.io.write(e.path, src)
+        seg.entries.append(_weak(e))
+        self._live[key] = e
+        self._pending.append(e)
+        self.stats["tensors_offloaded"] += 1
+        self.stats["bytes_offloaded"] += e.nbytes
+        return e
+
+    def _reap(self, older_than: _Segment | None = None) -> None:
+        """Release the sources of finished writes of the blocks whose forward is over (waiting for those of the
+        segments before ``older_than``). The running block's stay held, so a second save of one is shared."""
+        running = self._stack[-1][1] if self._stack else None
+        while self._pending:
+            e = self._pending[0]
+            wait = older_than is not None and e.seg is not older_than
+            if not wait and (e.seg is running or not e.write.done()):
+                return
+            self._pending.popleft()
+            try:
+                e.write.result()
+            except Exception as err:
+                raise OSError(f"activation offload: writing {e.path} failed ({err}); check nvme_path's drive") from err
+            finally:
+                self._live.pop(e.key, None)
+            if e.src._version != e.version:
+                raise RuntimeError(
+                    "activation offload: a tensor saved for backward was modified by an inplace operation while "
+                    "it was being written (autograd's version counter changed); make the operation out of place"
+                )
+            e.src = None
+
+    def _sac_contexts(self, seg: _Segment) -> tuple[Any, Any]:
+        caching, cached = create_selective_checkpoint_contexts(_recompute.selective_policy)
+        caching.storage = cached.storage = _SacStorage(self, seg)
+        return caching, cached
+
+    # ------------------------------------------------------------------------------------------------ backward
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        self._use(packed.seg)
+        return packed.tensor if isinstance(packed, _Kept) else packed.result()  # an _Entry or a _View
+
+    def _use(self, seg: _Segment) -> None:
+        """Block ``seg``'s backward has begun: its reads (if none ahead) and the block ahead's, in the background."""
+        if seg.used:
+            return
+        seg.used = True
+        if not self.closed:
+            self._reap()
+            self._prefetch(seg, ahead=False)
+            if seg.prev is not None:
+                self._prefetch(seg.prev, ahead=True)
+
+    def _prefetch(self, seg: _Segment, *, ahead: bool) -> None:
+        if seg.reads_issued:
+            return
+        seg.reads_issued = True
+        for ref in seg.entries:
+            e = ref()
+            if e is not None and e.read is None and e.value is None:
+                self._read(e, ahead=ahead)
+
+    def _read(self, e: _Entry, *, ahead: bool) -> None:
+        after = (e.write,) if not e.write.done() else ()
+        e.read = self.io.read_into(e.path, host_buffer(e.nbytes), after=after)
+        self.stats["reads_ahead" if ahead else "reads_on_demand"] += 1
+
+
+_ALL = _Segment(-1, -1, True, None, set())  # older_than=_ALL: every write in flight
+
+
+def _weak(e: _Entry) -> Any:
+    import weakref
+
+    return weakref.ref(e)
+
+
+def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    for t in (*module.parameters(), *module.buffers()):
+        yield getattr(t, "_local_tensor", t)  # a DTensor's shard
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass): never offloaded anyway
+        return -1
