@@ -288,12 +288,52 @@ def materialize_row(
     return out
 
 
+class RowBatch(Sequence):
+    """Rows already laid out as one ``[B, S]`` grid per field (a token file's batch, ``data/blend.py``): a row is
+    built only when it is indexed, and :func:`collate_rows` takes the grids as they are instead of splitting and
+    stacking them again.
+
+    Args:
+        grid: ``input_ids``, ``position_ids``, ``labels`` and ``doc_ids`` as ``[B, S]`` int64 arrays.
+        starts: ``[B, S]`` bool, True where a segment (a document chunk, or the padding) starts; True at column 0.
+    """
+
+    def __init__(self, grid: Mapping[str, Any], starts: Any) -> None:
+        self.grid, self.starts = dict(grid), starts
+
+    def __len__(self) -> int:
+        return int(self.starts.shape[0])
+
+    def __getitem__(self, r: Any) -> Any:
+        import numpy as np
+
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(len(self)))]
+        row = {k: torch.from_numpy(v[r]) for k, v in self.grid.items()}
+        starts = np.flatnonzero(self.starts[r])
+        row["seqlens"] = np.diff(np.append(starts, self.starts.shape[1])).tolist()
+        return row
+
+    def collate(self) -> dict[str, Any]:
+        """What :func:`collate_rows` makes of these rows, from the grids in one piece."""
+        import numpy as np
+
+        batch: dict[str, Any] = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in self.grid.items()}
+        bounds = np.append(np.flatnonzero(self.starts.ravel()), self.starts.size)
+        batch["cu_seqlens"] = torch.from_numpy(bounds.astype(np.int32))
+        batch["max_seqlen"] = int(np.diff(bounds).max())
+        return batch
+
+
 def collate_rows(rows: Sequence[Mapping[str, Any]], *, pad_id: int = 0, pad_to: int | None = None) -> dict[str, Any]:
     """Batch rows from :func:`materialize_row`: pad each to the longest (or ``pad_to``) and stack.
 
     ``cu_seqlens`` concatenates every row's segment boundaries with offsets ``b * S`` over the flattened ``B*S``
     tokens; ``max_seqlen`` is the longest segment (padding segments included, as attention runs over them too).
+    A :class:`RowBatch` of that width is taken in one piece (the same batch).
     """
+    if isinstance(rows, RowBatch) and len(rows) and pad_to in (None, rows.starts.shape[1]):
+        return rows.collate()
     if not rows:
         raise ValueError("cannot collate an empty batch")
     width = max(r["input_ids"].numel() for r in rows) if pad_to is None else pad_to

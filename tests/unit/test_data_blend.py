@@ -62,6 +62,14 @@ def test_a_batch_at_once_equals_its_rows_one_by_one(tmp_path):
         assert row["seqlens"] == ref["seqlens"]
     c, s = ds.locate(positions)
     assert [ds.locate_one(i) for i in positions] == list(zip(c.tolist(), s.tolist(), strict=True))
+    # the batch collated from its grids in one piece equals the rows one by one through collate_rows' own path
+    from lightning_v17.data.packing import collate_rows
+
+    whole, ref = collate_rows(batch), collate_rows([ds[i] for i in positions])
+    assert whole.keys() == ref.keys()
+    for key in ("input_ids", "position_ids", "labels", "doc_ids", "cu_seqlens"):
+        torch.testing.assert_close(whole[key], ref[key], rtol=0, atol=0, msg=key)
+    assert whole["max_seqlen"] == ref["max_seqlen"]
 
 
 def _tokens_of(ds, positions):
