@@ -255,5 +255,5 @@ def test_activation_offload_options_are_checked_at_construction(tmp_path):
     with pytest.raises(V17ConfigError, match="resident_blocks=-1 must be an integer >= 0"):
         OffloadPolicy(activations="nvme", nvme_path=str(tmp_path), resident_blocks=-1)
     msgs = _warnings(lambda: _strategy(offload=OffloadPolicy(resident_blocks=3)))
-    assert msgs == ["V17Strategy: offload.resident_blocks=3 applies only with offload.activations='nvme'; it is "
-                    "ignored here"], msgs  # fmt: skip
+    want = "V17Strategy: offload.resident_blocks=3 applies only with offload.activations='nvme'; it is ignored here"
+    assert msgs == [want], msgs
