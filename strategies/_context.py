@@ -52,9 +52,11 @@ def prepare_context_parallel_model(strategy: Any, model: nn.Module, cp: int) -> 
     """
     if cp == 1:
         return
-    for hf in _hf_models(model):
+    hf_models = _hf_models(model)
+    for hf in hf_models:
         _wire_hf(strategy, hf)
-    if not any(getattr(type(m), "v17_context_parallel", False) for m in model.modules()) and not _hf_models(model):
+    strategy._cp_hf = bool(hf_models)  # batch_to_device shifts the labels on the full rows for them
+    if not hf_models and not any(getattr(type(m), "v17_context_parallel", False) for m in model.modules()):
         raise V17ConfigError(
             f"cp={cp}: no attention module of {type(model).__name__} runs context-parallel (the reference "
             "lightning_v17.models.Llama's and Hugging Face models' do; a module of your own opts in with a class "
@@ -99,6 +101,7 @@ class ContextSteps:
     """The cp part of V17Strategy: shard each batch, hold its context, scale the loss (module docstring)."""
 
     _cp_scale: Tensor | None = None
+    _cp_hf = False  # a Hugging Face model is wired: its loss takes the targets shifted before the cut
     _cp_shift_scale: Tensor | None = None  # the scale of a Hugging Face loss (targets shifted on the full rows)
     _cp_shift_labels: Tensor | None = None  # this rank's share of those targets
     _cp_positions: Tensor | None = None  # this rank's global position ids, for a forward called without them
@@ -119,7 +122,7 @@ class ContextSteps:
         policy = self.policy.context  # type: ignore[attr-defined]
         group = self._mesh.group("cp")  # type: ignore[attr-defined]
         rank = self._mesh.rank("cp")  # type: ignore[attr-defined]
-        if "labels" in batch:  # a Hugging Face loss shifts its labels: shifted here on the full rows, then cut
+        if self._cp_hf and "labels" in batch:  # a Hugging Face loss shifts its labels: here, on the full rows
             batch = {**batch, "_v17_shift": shift_labels(batch["labels"])}
         cpb = shard_batch(batch, cp=spec.cp, rank=rank, balance=policy.balance.value,
                           chunks_per_rank=policy.chunks_per_rank)  # fmt: skip

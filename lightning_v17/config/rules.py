@@ -85,6 +85,20 @@ _AXIS_OPTIONS: dict[str, tuple[str, str]] = {
 }  # fmt: skip
 
 
+def _axes_not_together(axis: str, other: str, why: str) -> Rule:
+    """``axis`` > 1 beside ``other`` > 1 is not built yet (``why`` says what is missing)."""
+    return Rule(
+        name=f"{axis}_without_{other}",
+        options=(axis, other),
+        violated=lambda lay: getattr(lay, axis) > 1 and getattr(lay, other) > 1,
+        message=lambda lay: (
+            f"{axis}={getattr(lay, axis)} with {other}={getattr(lay, other)} is not implemented yet ({why})"
+        ),
+        fix=f"use {axis} with {other}=1, or {axis}=1",
+        example={axis: 2, other: 2, "zero_stage": 1},
+    )
+
+
 def _needs_axis(option: str, axis: str) -> Rule:
     """``option`` shapes the ``axis`` axis and means nothing when it has size 1."""
 
@@ -188,31 +202,12 @@ RULES: tuple[Rule, ...] = (
         example={"pp": 2, "zero_stage": 1, "tp": {"size": 2, "loss_parallel": True}},
     ),
     *(
-        Rule(
-            name=f"ep_without_{axis}",
-            options=("ep", axis),
-            violated=(lambda lay, axis=axis: lay.ep > 1 and getattr(lay, axis) > 1),
-            message=(lambda lay, axis=axis, what=what: (
-                f"ep={lay.ep} with {axis}={getattr(lay, axis)} is not implemented yet (the experts are sharded "
-                f"over ep inside the data-parallel ranks; {what})"
-            )),
-            fix=f"use ep with {axis}=1, or ep=1",
-            example={"ep": 2, axis: 2, "zero_stage": 1},
-        )
+        _axes_not_together("ep", axis, f"the experts are sharded over ep inside the data-parallel ranks; {what}")
         for axis, what in (("pp", "MoE blocks inside pipeline stages are planned"),
                            ("tp", "attention tensor-parallel beside expert-parallel experts is planned"))
     ),
     *(
-        Rule(
-            name=f"cp_without_{axis}",
-            options=("cp", axis),
-            violated=(lambda lay, axis=axis: lay.cp > 1 and getattr(lay, axis) > 1),
-            message=(lambda lay, axis=axis, what=what: (
-                f"cp={lay.cp} with {axis}={getattr(lay, axis)} is not implemented yet ({what})"
-            )),
-            fix=f"use cp with {axis}=1, or cp=1",
-            example={"cp": 2, axis: 2, "zero_stage": 1},
-        )
+        _axes_not_together("cp", axis, what)
         for axis, what in (("pp", "the pipeline schedule's micro-batches are not split along the sequence"),
                            ("tp", "the attention heads would be split over tp and cp together"),
                            ("ep", "the cp ranks would need the MoE dispatch over their shared batch"),
