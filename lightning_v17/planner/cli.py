@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "decision tree's when tp = pp = 1, else 1)")
     t.add_argument("--offload-optimizer", default="none", help="none, cpu or nvme")
     t.add_argument("--offload-params", default="none", help="none, cpu or nvme (ZeRO-3)")
+    t.add_argument("--offload-activations", default="none",
+                   help="none, cpu or nvme: the blocks' saved activations off the device between forward and backward")
+    t.add_argument("--resident-blocks", type=int, default=1,
+                   help="with --offload-activations, the last blocks that keep their activations (default 1)")
     t.add_argument("--mfu", type=_positive_float, default=0.5,
                    help="assumed MFU without bubble or recomputation, for the step time (default 0.5)")
     o = p.add_argument_group("output")
@@ -241,6 +245,8 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         virtual_stages=args.virtual_stages,
         offload_optimizer=Tier.parse(args.offload_optimizer, "--offload-optimizer"),
         offload_params=Tier.parse(args.offload_params, "--offload-params"), fp8=args.fp8,
+        offload_activations=Tier.parse(args.offload_activations, "--offload-activations"),
+        resident_blocks=args.resident_blocks,
         mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s, op_times=_op_times(args.op_times, args.op_cv),
         p2p_time=args.p2p_time, ep=args.ep, cp_mode=CPMode.parse(args.cp_mode, "--cp-mode"),
     )  # fmt: skip

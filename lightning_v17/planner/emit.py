@@ -185,6 +185,10 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
                                "directory on this machine's NVMe drive>, which the plan cannot know; add both to the "
                                "strategy's offload: init_args (the run keeps the parameter shards on the device "
                                "otherwise)")
+    if lay.offload_activations != Tier.NONE:
+        not_emitted.append(f"offload_activations={lay.offload_activations.value!r} is not emitted: the nvme tier needs "
+                           "nvme_path=<a directory on this machine's NVMe drive> and the cpu tier an accelerator; add "
+                           "offload: {activations: ..., nvme_path: ...} to the strategy's init_args")
     if offload:
         args["offload"] = _fields(OffloadPolicy(**offload))
     return {"class_path": STRATEGY_CLASS, "init_args": args}

@@ -30,14 +30,17 @@ def tier_bytes(
     temp_bytes: int,
     offload_optimizer: Tier = Tier.NONE,
     offload_params: Tier = Tier.NONE,
+    offload_activations: Tier = Tier.NONE,
+    offloaded_activation_bytes: int = 0,
 ) -> TierBytes:
     """Split the per-rank buckets over the GPU, CPU and NVMe tiers.
 
     Source: ZeRO-Offload (Ren 2021) §4.1 / Fig. 2: with the optimizer offloaded, the optimizer state (fp32 master
     included) and the gradients live in CPU memory and the update runs there; ZeRO-Infinity (Rajbhandari 2021) §5:
     the optimizer state can go one tier further, to NVMe (gradients stay in CPU memory), and with ZeRO-3 the
-    parameter shards can live on CPU or NVMe too. Activations and temporary buffers (the gathered unit, buckets,
-    logits) always stay on the accelerator.
+    parameter shards can live on CPU or NVMe too. Temporary buffers (the gathered unit, buckets, logits) and
+    ``activation_bytes`` stay on the accelerator; ``offloaded_activation_bytes`` are the saved activations that
+    activation offload (:func:`activation_offload_bytes`) keeps on ``offload_activations``.
     """
     offload_optimizer = Tier.parse(offload_optimizer, "offload_optimizer")
     offload_params = Tier.parse(offload_params, "offload_params")
@@ -45,7 +48,11 @@ def tier_bytes(
     tiers[offload_params] += param_bytes
     tiers[Tier.CPU if offload_optimizer != Tier.NONE else Tier.NONE] += grad_bytes
     tiers[offload_optimizer] += optimizer_bytes
+    offload_activations = Tier.parse(offload_activations, "offload_activations")
+    if offloaded_activation_bytes < 0 or (offloaded_activation_bytes and offload_activations == Tier.NONE):
+        raise ValueError("offloaded_activation_bytes must be >= 0, and > 0 only with a tier to go to")
     tiers[Tier.NONE] += activation_bytes + temp_bytes
+    tiers[offload_activations] += offloaded_activation_bytes
     return TierBytes(gpu=tiers[Tier.NONE], cpu=tiers[Tier.CPU], nvme=tiers[Tier.NVME])
 
 
@@ -117,4 +124,115 @@ def offload_transfer_s(traffic: OffloadTraffic, *, pcie_bytes_per_s: float, nvme
     return traffic.pcie_bytes / pcie_bytes_per_s + traffic.nvme_bytes / nvme_bytes_per_s
 
 
-__all__ = ["OffloadTraffic", "TierBytes", "offload_traffic_bytes", "offload_transfer_s", "tier_bytes"]
+@dataclass(frozen=True)
+class ActivationOffload:
+    """Saved activations of the repeated blocks moved off the device between forward and backward, per rank.
+
+    Args:
+        tier: where they go ("cpu": pinned host memory over PCIe; "nvme": files, through host bounce buffers).
+        blocks_offloaded: blocks per micro-batch whose saved tensors leave the device (all but the resident ones).
+        bytes_per_block: saved bytes of one block and micro-batch (the plan's activations per layer).
+        offloaded_bytes: bytes off the device at the end of a micro-batch's forward (``blocks_offloaded`` blocks).
+        device_bytes: activation bytes that stay on the device at the peak: the resident blocks plus the one block
+            prefetched ahead of backward.
+        bandwidth_bytes_per_s: the transfer rate of one block, each way.
+        transfer_s_per_block: one block's bytes at that rate (the write in forward; the read in backward takes as long).
+        forward_s_per_block, backward_s_per_block: one block's compute per micro-batch, that the transfers hide
+            behind.
+        exposed_s_per_step: transfer time per step that compute does not hide (0 when both directions hide).
+    """
+
+    tier: Tier
+    blocks_offloaded: int
+    bytes_per_block: int
+    offloaded_bytes: int
+    device_bytes: int
+    bandwidth_bytes_per_s: float
+    transfer_s_per_block: float
+    forward_s_per_block: float
+    backward_s_per_block: float
+    exposed_s_per_step: float
+
+    @property
+    def hides(self) -> bool:
+        return self.exposed_s_per_step == 0.0
+
+
+def activation_offload_bytes(bytes_per_block: int, *, layers: int, resident_blocks: int) -> tuple[int, int]:
+    """(offloaded, device) activation bytes per micro-batch when the blocks' saved tensors go to another tier.
+
+    Source: torchtune's ``OffloadActivations`` and Megatron's fine-grained activation offloading: each block's saved
+    tensors leave as forward passes it, the last ``resident_blocks`` stay (backward needs them first), and backward
+    fetches one block ahead of the block it computes. The device peak is therefore the resident blocks plus one
+    block in transit (the last write of forward, the prefetched read of backward): ``min(L, k + 1)`` blocks, and
+    ``L - k`` blocks are off the device. Saved tensors under ``activation_min_kb`` stay, which this ignores (the
+    small ones: norms' statistics, the router's choices).
+
+    Args:
+        bytes_per_block: saved activation bytes of one block and micro-batch.
+        layers: blocks held by the rank (L; the whole model at pp = 1).
+        resident_blocks: k, the last blocks that are never offloaded.
+    """
+    if bytes_per_block < 0 or layers < 0 or resident_blocks < 0:
+        raise ValueError("bytes_per_block, layers and resident_blocks must be >= 0")
+    offloaded_blocks = max(0, layers - resident_blocks)
+    if offloaded_blocks == 0:
+        return 0, bytes_per_block * layers
+    return offloaded_blocks * bytes_per_block, min(layers, resident_blocks + 1) * bytes_per_block
+
+
+def activation_transfer_bytes_per_s(tier: Tier | str, *, pcie_bytes_per_s: float, nvme_bytes_per_s: float) -> float:
+    """The rate one block's saved tensors move at, each way: PCIe for "cpu"; for "nvme" the slower of PCIe and the
+    drive, since the bytes go device -> host bounce buffer -> file and back (ZeRO-Infinity (Rajbhandari 2021) §4:
+    each tier's time is bytes / its bandwidth; pipelined tiers run at the slowest link)."""
+    tier = Tier.parse(tier, "offload_activations")
+    if tier == Tier.NONE:
+        raise ValueError("offload_activations='none' moves nothing")
+    if pcie_bytes_per_s <= 0 or nvme_bytes_per_s <= 0:
+        raise ValueError("pcie_bytes_per_s and nvme_bytes_per_s must be > 0")
+    return pcie_bytes_per_s if tier == Tier.CPU else min(pcie_bytes_per_s, nvme_bytes_per_s)
+
+
+def activation_offload(
+    *,
+    tier: Tier | str,
+    bytes_per_block: int,
+    layers: int,
+    resident_blocks: int,
+    microbatches: int,
+    forward_s_per_block: float,
+    backward_s_per_block: float,
+    pcie_bytes_per_s: float,
+    nvme_bytes_per_s: float,
+) -> ActivationOffload:
+    """What activation offload keeps off the device and whether its transfers hide behind compute.
+
+    Source: seed §7.8 ("almost free when compute and transfer overlap"): a block's write runs beside the next
+    block's forward and its read beside the later block's backward, so each hides when it takes no longer than
+    that compute; what does not hide stretches the step, per offloaded block and micro-batch:
+    ``max(0, t_xfer - t_fwd) + max(0, t_xfer - t_bwd)`` (bandwidth from
+    :func:`activation_transfer_bytes_per_s`, sizes from :func:`activation_offload_bytes`).
+    """
+    tier = Tier.parse(tier, "offload_activations")
+    offloaded, device = activation_offload_bytes(bytes_per_block, layers=layers, resident_blocks=resident_blocks)
+    rate = activation_transfer_bytes_per_s(tier, pcie_bytes_per_s=pcie_bytes_per_s, nvme_bytes_per_s=nvme_bytes_per_s)
+    xfer = bytes_per_block / rate
+    blocks = max(0, layers - resident_blocks)
+    exposed = microbatches * blocks * (max(0.0, xfer - forward_s_per_block) + max(0.0, xfer - backward_s_per_block))
+    return ActivationOffload(tier=tier, blocks_offloaded=blocks, bytes_per_block=bytes_per_block,
+                             offloaded_bytes=offloaded, device_bytes=device, bandwidth_bytes_per_s=rate,
+                             transfer_s_per_block=xfer, forward_s_per_block=forward_s_per_block,
+                             backward_s_per_block=backward_s_per_block, exposed_s_per_step=exposed)
+
+
+__all__ = [
+    "ActivationOffload",
+    "OffloadTraffic",
+    "TierBytes",
+    "activation_offload",
+    "activation_offload_bytes",
+    "activation_transfer_bytes_per_s",
+    "offload_traffic_bytes",
+    "offload_transfer_s",
+    "tier_bytes",
+]

@@ -63,6 +63,9 @@ class Layout:
     ep: int = 1
     #: the cp attention scheme, resolved (``ulysses`` or ``allgather``); None at cp = 1
     cp_mode: CPMode | None = None
+    #: where the blocks' saved activations go between forward and backward, and the blocks that stay
+    offload_activations: Tier = Tier.NONE
+    resident_blocks: int = 1
 
     @property
     def gpus(self) -> int:
@@ -98,6 +101,8 @@ class Memory:
     temp: int
     tiers: off.TierBytes
     experts: mem.ModelStateBytes = _NO_EXPERTS
+    #: saved activation bytes activation offload keeps off the device (on ``Layout.offload_activations``)
+    activation_offloaded: int = 0
 
     @property
     def model_state(self) -> int:
@@ -161,6 +166,8 @@ class Plan:
     moe: moe_.MoEReport | None = None
     #: the context-parallel section (the scheme, why, both schemes' bytes); None at cp = 1 or without a shape
     cp: CPReport | None = None
+    #: activation offload: what leaves the device and whether its transfers hide; None without it
+    activation_offload: off.ActivationOffload | None = None
 
     @property
     def fits(self) -> bool:
@@ -241,11 +248,18 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
                                                            element_bytes=element)
     if shard > 1:
         temp += mem.grad_bucket_bytes(zero=lay.zero)
+    device_act, offloaded = act, 0
+    if lay.offload_activations != Tier.NONE and shape is not None:  # pp = 1 (_validate): act = L blocks' bytes
+        offloaded, blocks_device = off.activation_offload_bytes(per_layer, layers=shape.layers,
+                                                                resident_blocks=lay.resident_blocks)
+        device_act = act - per_layer * shape.layers + blocks_device
     tiers = off.tier_bytes(
-        param_bytes=state.param, grad_bytes=state.grad, optimizer_bytes=state.optimizer, activation_bytes=act,
+        param_bytes=state.param, grad_bytes=state.grad, optimizer_bytes=state.optimizer, activation_bytes=device_act,
         temp_bytes=temp, offload_optimizer=lay.offload_optimizer, offload_params=lay.params_tier,
+        offload_activations=lay.offload_activations, offloaded_activation_bytes=offloaded,
     )  # fmt: skip
-    return Memory(state.param, state.grad, state.optimizer, opt_parts, act, per_layer, temp, tiers, experts)
+    return Memory(state.param, state.grad, state.optimizer, opt_parts, act, per_layer, temp, tiers, experts,
+                  activation_offloaded=offloaded)
 
 
 def _resolve_world(cluster: ClusterSpec, train: TrainSpec, tp: int, pp: int, cp: int) -> tuple[int, int]:
@@ -319,7 +333,8 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
     return Layout(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, schedule=schedule,
                   virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
                   optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
-                  offload_params=train.offload_params, fp8=train.fp8, ep=ep, cp_mode=cp_mode)
+                  offload_params=train.offload_params, fp8=train.fp8, ep=ep, cp_mode=cp_mode,
+                  offload_activations=train.offload_activations, resident_blocks=train.resident_blocks)
 
 
 def _validate(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
@@ -333,6 +348,14 @@ def _validate(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
     moe_.check_ep(layout.ep, dp_shard=layout.dp, num_experts=shape.num_experts if shape is not None else 0)
     if layout.seq % layout.cp != 0:
         raise V17ConfigError(f"cp={layout.cp} must divide seq={layout.seq}")
+    if layout.offload_activations != Tier.NONE:
+        if shape is None:
+            raise V17ConfigError("offload_activations needs the model's shape (the blocks' activations): give --model "
+                                 "or the shape flags, or drop --offload-activations")
+        if layout.pp > 1:  # the rules table's activation_offload_without_pp: V17Strategy refuses it
+            raise V17ConfigError(f"offload_activations={layout.offload_activations.value!r} with pp={layout.pp} is "
+                                 "not built (the schedule interleaves micro-batches; the offload streams one block "
+                                 "order); use pp=1 or offload_activations='none'")
 
 
 def _cheapest_recompute(model: ModelSpec, layout: Layout, memory_bytes: int) -> Recompute:
@@ -466,7 +489,19 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     )  # fmt: skip
     offload_s = off.offload_transfer_s(traffic, pcie_bytes_per_s=cluster.pcie_gbps * GB,
                                        nvme_bytes_per_s=cluster.nvme_gbps * GB)
-    step_s = compute_s + offload_s
+    act_offload = None
+    if lay.offload_activations != Tier.NONE:
+        # one block's share of the step's compute, split by FLOPs: the forward is a third of the model FLOPs
+        # (Narayanan 2021 Eq. 3), the rest (backward and any recompute) is backward
+        block_s = compute_s / (lay.microbatches * shape.layers)
+        fwd_s = block_s * (model_flops / 3) / hw
+        act_offload = off.activation_offload(
+            tier=lay.offload_activations, bytes_per_block=memory.activation_per_layer, layers=shape.layers,
+            resident_blocks=lay.resident_blocks, microbatches=lay.microbatches, forward_s_per_block=fwd_s,
+            backward_s_per_block=block_s - fwd_s, pcie_bytes_per_s=cluster.pcie_gbps * GB,
+            nvme_bytes_per_s=cluster.nvme_gbps * GB,
+        )  # fmt: skip
+    step_s = compute_s + offload_s + (act_offload.exposed_s_per_step if act_offload is not None else 0.0)
 
     # A checkpoint holds the parameters and the optimizer state (master included) of every rank; each node writes
     # its own ranks' shards in parallel.
@@ -481,6 +516,15 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         microbatches=lay.microbatches, offload_params=lay.offload_params, offload_optimizer=lay.offload_optimizer,
         fp8=lay.fp8, ep=lay.ep,
     )  # fmt: skip
+    if act_offload is not None and not act_offload.hides:
+        a = act_offload
+        warnings.append(
+            f"activation offload to {a.tier.value}: one block's {a.bytes_per_block / 1e9:.2f} GB take "
+            f"{a.transfer_s_per_block * 1e3:.1f} ms each way at {a.bandwidth_bytes_per_s / 1e9:.0f} GB/s, against "
+            f"{a.forward_s_per_block * 1e3:.1f} ms of forward and {a.backward_s_per_block * 1e3:.1f} ms of backward: "
+            f"{a.exposed_s_per_step:.2f} s per step do not hide; offload fewer blocks (raise resident_blocks), use "
+            f"the faster tier, or recompute instead"
+        )
     if moe is not None:
         traffic_line = moe_.traffic_warning(dispatch_s, compute_s=compute_s, shape=shape, ep=lay.ep, gpus_per_node=gpn)
         warnings += [traffic_line] if traffic_line else []
@@ -504,7 +548,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         offload_time_s=offload_s,
         checkpoint_write_s=write_s, cluster_mtbf_s=mtbf_s, young_s=res.young_interval_s(write_s, mtbf_s),
         daly_s=res.daly_interval_s(write_s, mtbf_s), warnings=tuple(warnings), notes=tuple(notes),
-        bubble_inputs=_bubble_inputs(train), moe=moe, cp=cp_report,
+        bubble_inputs=_bubble_inputs(train), moe=moe, cp=cp_report, activation_offload=act_offload,
     )  # fmt: skip
 
 

@@ -178,6 +178,14 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
         out.append(f"offload : {fmt_bytes(plan.offload_traffic.pcie_bytes)} over PCIe + "
                    f"{fmt_bytes(plan.offload_traffic.nvme_bytes)} NVMe per step per rank = "
                    f"{fmt_seconds(plan.offload_time_s)} (not overlapped, included in the step)")
+    if plan.activation_offload is not None:
+        a = plan.activation_offload
+        hides = "hide behind compute" if a.hides else f"do not hide: +{fmt_seconds(a.exposed_s_per_step)} per step"
+        out.append(f"act off : {a.blocks_offloaded} of {shape.layers} blocks' activations to {a.tier.value} "
+                   f"({fmt_bytes(a.offloaded_bytes)} off the device, {fmt_bytes(a.device_bytes)} stay); one block "
+                   f"{fmt_bytes(a.bytes_per_block)} = {fmt_seconds(a.transfer_s_per_block)} each way vs "
+                   f"{fmt_seconds(a.forward_s_per_block)} forward / {fmt_seconds(a.backward_s_per_block)} backward: "
+                   f"transfers {hides}")
     out.append(f"ckpt    : write ~{fmt_seconds(plan.checkpoint_write_s)}, job MTBF {fmt_seconds(plan.cluster_mtbf_s)} "
                f"-> checkpoint every {fmt_seconds(plan.daly_s)} (Daly 2006; Young 1974: "
                f"{fmt_seconds(plan.young_s)})")
@@ -267,6 +275,16 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
     if plan.cp is not None:
         out["layout"]["cp_mode"] = lay.cp_mode.value
         out["cp"] = plan.cp.to_dict()
+    if plan.activation_offload is not None:
+        a = plan.activation_offload
+        out["layout"].update(offload_activations=lay.offload_activations.value, resident_blocks=lay.resident_blocks)
+        out["activation_offload"] = {
+            "tier": a.tier.value, "blocks_offloaded": a.blocks_offloaded, "bytes_per_block": a.bytes_per_block,
+            "offloaded_bytes": a.offloaded_bytes, "device_bytes": a.device_bytes,
+            "bandwidth_bytes_per_s": a.bandwidth_bytes_per_s, "transfer_s_per_block": a.transfer_s_per_block,
+            "forward_s_per_block": a.forward_s_per_block, "backward_s_per_block": a.backward_s_per_block,
+            "exposed_s_per_step": a.exposed_s_per_step, "hides": a.hides,
+        }  # fmt: skip
     if plan.moe is not None:
         e = m.experts
         out["layout"]["ep"] = lay.ep

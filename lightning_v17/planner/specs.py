@@ -125,6 +125,11 @@ class TrainSpec:
         schedule: pipeline schedule.
         virtual_stages: model chunks per rank for interleaved/zero-bubble schedules.
         offload_optimizer, offload_params: tiers.
+        offload_activations: where the blocks' saved activations go between forward and backward
+            (``OffloadPolicy.activations``): "none", "cpu" (pinned host memory over PCIe) or "nvme"; the plan counts
+            what leaves the device and whether the transfers hide behind each block's compute
+            (:func:`~lightning_v17.planner.offload.activation_offload`).
+        resident_blocks: the last blocks that keep their saved activations (``OffloadPolicy.resident_blocks``).
         fp8: the strategy's ``fp8`` recipe ("tensorwise", "rowwise", "delayed"; None: off, or "tensorwise" when
             ``precision`` is "fp8"). It changes the saved activations (``delayed`` keeps float8 casts,
             :func:`~lightning_v17.planner.memory.fp8_activation_delta_bytes_per_layer`) and, at ZeRO-3 with
@@ -159,6 +164,8 @@ class TrainSpec:
     virtual_stages: int | None = None
     offload_optimizer: Tier = Tier.NONE
     offload_params: Tier = Tier.NONE
+    offload_activations: Tier = Tier.NONE
+    resident_blocks: int = 1
     fp8: FP8Recipe | None = None
     mfu: float = 0.5
     checkpoint_write_s: float | None = None
@@ -188,6 +195,9 @@ class TrainSpec:
             object.__setattr__(self, "schedule", Schedule.parse(self.schedule, "schedule"))
         object.__setattr__(self, "offload_optimizer", Tier.parse(self.offload_optimizer, "offload_optimizer"))
         object.__setattr__(self, "offload_params", Tier.parse(self.offload_params, "offload_params"))
+        object.__setattr__(self, "offload_activations", Tier.parse(self.offload_activations, "offload_activations"))
+        if isinstance(self.resident_blocks, bool) or not isinstance(self.resident_blocks, int) or self.resident_blocks < 0:
+            raise V17ConfigError(f"resident_blocks={self.resident_blocks!r} must be an integer >= 0")
         for name in ("tp", "pp", "dp", "cp", "seq", "global_batch", "microbatches", "virtual_stages", "ep"):
             _positive(name, getattr(self, name))
         _positive("micro_batch", self.micro_batch, allow_none=False)
