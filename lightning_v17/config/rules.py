@@ -209,9 +209,20 @@ RULES: tuple[Rule, ...] = (
     *(
         _axes_not_together("cp", axis, what)
         for axis, what in (("pp", "the pipeline schedule's micro-batches are not split along the sequence"),
-                           ("tp", "the attention heads would be split over tp and cp together"),
                            ("ep", "the cp ranks would need the MoE dispatch over their shared batch"),
                            ("dp_replicate", "ZeRO over dp_shard x cp is one flat group; HSDP beside it is planned"))
+    ),
+    Rule(
+        name="cp_without_sequence_parallel",
+        options=("cp", "sequence_parallel"),
+        violated=lambda lay: lay.cp > 1 and lay.tp > 1 and lay.policy.tensor_parallel.sequence_parallel,
+        message=lambda lay: (
+            f"cp={lay.cp} with tp={lay.tp} and sequence_parallel=True is not implemented yet: sequence parallelism "
+            "would shard the cp rank's S/cp tokens over tp again, and the cp attention gathers the rows over cp "
+            "only"
+        ),
+        fix="use cp with sequence_parallel=False (cp x tp splits the heads over tp and the sequence over cp), or cp=1",
+        example={"cp": 2, "tp": {"size": 2, "sequence_parallel": True}, "zero_stage": 1},
     ),
     Rule(
         name="activation_offload_without_pp",

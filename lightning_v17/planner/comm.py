@@ -131,8 +131,9 @@ def cp_forward_elements_per_layer(mode: CPMode | str, *, seq: int, cp: int, head
     after it, each rank keeping 1/cp of its S/cp tokens' heads and sending the rest, so
     ``(2 Hq + 2 Hkv') D (S/cp) (cp-1)/cp`` with ``Hkv' = max(Hkv, cp)`` after ALST's KV replication; all-gathered
     K/V (Llama 3, Dubey 2024 §3.3.2): a ring all-gather of the ``2 Hkv D S`` elements of K and V sends
-    ``2 Hkv D S (cp-1)/cp``. The backward moves the same again (the all-to-alls' adjoints; the reduce-scatter of
-    the gathered K/V's gradient). ``lightning_v17.engine.cp.cp_comm_elements`` is the engine's copy of this count,
+    ``2 Hkv D S (cp-1)/cp``. The backward passes are :func:`cp_comm_bytes_per_layer`'s (ulysses: the all-to-alls'
+    adjoints, the same again; allgather: the all-gather again and the reduce-scatter of the gathered K/V's
+    gradient, twice the forward). ``lightning_v17.engine.cp.cp_comm_elements`` is the engine's copy of this count,
     and a test holds the two equal.
     """
     mode = CPMode.parse(mode)
@@ -193,13 +194,16 @@ def cp_comm_bytes_per_layer(
     """Context-parallel traffic of one layer for one micro-batch, per rank, in bytes.
 
     ``mode`` ``ulysses`` or ``allgather`` (what ``V17Strategy(cp=...)`` runs): :func:`cp_forward_elements_per_layer`
-    in forward and the same in backward, times ``micro_batch`` rows; recompute (selective or full, which rerun the
-    attention's inputs, the collectives included) sends the forward once more. Ulysses needs ``heads`` and
-    ``kv_heads`` (the head width is ``kv_dim / kv_heads``).
+    per pass, times ``micro_batch`` rows. Ulysses (Jacobs 2023 §3.1): two passes, the forward's all-to-alls and their
+    adjoints in backward. Allgather: three, as Megatron-Core's ``all_gather`` ``cp_comm_type``
+    (``AttnFuncWithCPAndKVAllGather``, which keeps only the local K/V for backward) and our
+    ``engine/cp/allgather.py`` run it: all-gather K and V in forward, all-gather them again in backward and
+    reduce-scatter dK/dV. Recompute (selective or full, which rerun the attention's inputs, the collectives
+    included) sends the forward once more. Ulysses needs ``heads`` and ``kv_heads`` (the head width is
+    ``kv_dim / kv_heads``).
 
-    ``mode`` None: Megatron-Core's all-gather context parallelism, which does not keep the gathered K/V (all-gather
-    K and V in forward, all-gather again and reduce-scatter dK/dV in backward; ring attention, Liu 2023, moves the
-    same volume point-to-point). K and V together are 2·b·s·kv_dim elements, so three passes move
+    ``mode`` None: that all-gather scheme counted from ``kv_dim`` alone (ring attention, Liu 2023, moves the same
+    volume point-to-point). K and V together are 2·b·s·kv_dim elements, so three passes move
     6·b·s·kv_dim·(cp - 1)/cp elements per rank. Full recompute adds the forward's gather once more.
     """
     recompute = Recompute.parse(recompute, "recompute")
@@ -212,7 +216,8 @@ def cp_comm_bytes_per_layer(
         raise ValueError("cp_comm_bytes_per_layer(mode='ulysses') needs heads= and kv_heads=")
     forward = cp_forward_elements_per_layer(mode, seq=seq, cp=cp, heads=heads or 0, kv_heads=kv_heads,
                                             head_dim=kv_dim // kv_heads)
-    passes = 2 if recompute == Recompute.NONE else 3
+    passes = 2 if mode == CPMode.ULYSSES else 3
+    passes += recompute != Recompute.NONE
     return math.ceil(passes * forward * micro_batch * element_bytes)
 
 

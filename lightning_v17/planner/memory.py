@@ -314,7 +314,8 @@ def activation_bytes_per_layer_of(
     """Activation bytes per block for ``shape``, per rank, for one micro-batch: the count that fits its family.
 
     Context parallelism divides every per-token term by cp (each rank holds S/cp tokens); under ``cp_mode``
-    ``allgather`` (cp > 1) :func:`cp_allgather_delta_bytes_per_layer` is added, for any family.
+    ``allgather`` (cp > 1) :func:`cp_allgather_delta_bytes_per_layer` is added to the llama count (the gpt count has
+    no fused-attention log-sum-exp to drop).
 
     ``llama`` (the reference model): :func:`llama_activation_bytes_per_layer`, Korthikanti 2022 Table 2 redone term
     by term for RMSNorm, RoPE, GQA, fused attention and SwiGLU, and held against a run. ``gpt``: Korthikanti 2022
@@ -331,8 +332,8 @@ def activation_bytes_per_layer_of(
     recipe = None if fp8 is None else FP8Recipe(fp8)
     gathered = 0
     if cp > 1 and cp_mode is not None and CPMode.parse(cp_mode) == CPMode.ALLGATHER:
-        gathered = cp_allgather_delta_bytes_per_layer(seq=seq, micro_batch=micro_batch, kv_dim=shape.kv_dim, cp=cp,
-                                                      tp=tp, recompute=recompute, element_bytes=element_bytes)
+        gathered = cp_allgather_delta_bytes_per_layer(seq=seq, micro_batch=micro_batch, heads=shape.heads, cp=cp,
+                                                      tp=tp, recompute=recompute)
     if Arch.parse(shape.arch) == Arch.LLAMA:
         base = gathered + llama_activation_bytes_per_layer(kv_heads=shape.kv_heads, ffn=shape.ffn, **kwargs)
         if recipe is None:
@@ -346,37 +347,56 @@ def activation_bytes_per_layer_of(
             "fp8='delayed' activation bytes are derived for the llama block (RMSNorm, GQA, SwiGLU Linears); this "
             f"shape's arch is {shape.arch!r}: plan it without fp8 or as a llama shape"
         )
-    return gathered + activation_bytes_per_layer(**kwargs)
+    return activation_bytes_per_layer(**kwargs)
 
 
 def cp_allgather_delta_bytes_per_layer(
     *,
     seq: int,
     micro_batch: int,
-    kv_dim: int,
+    heads: int,
     cp: int,
     tp: int = 1,
     recompute: Recompute = Recompute.NONE,
-    element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
 ) -> int:
-    """What all-gathered K/V context parallelism adds to one block's saved activations, per rank, per micro-batch.
+    """What all-gathered K/V context parallelism changes in one block's saved activations, per rank, per
+    micro-batch, against :func:`llama_activation_bytes_per_layer` at the same cp (<= 0).
 
-    Sources: Llama 3 (Dubey 2024 §3.3.2): every rank all-gathers the K and V of the whole row; our
-    ``engine/cp/allgather.py`` then runs SDPA with a boolean ``[B, 1, S/cp, S]`` causal, per-document mask. With
-    s = seq, b = micro_batch, kv = kv_dim, e = ``element_bytes``, per block, recompute ``none``:
-
-    * the gathered K and V, ``2·b·s·kv·e`` (the full K/V, kept by SDPA for its backward), in place of the local
-      tokens' K and V that :func:`llama_activation_bytes_per_layer` counts (``2·b·(s/cp)·kv·e``): net
-      ``2·b·s·kv·e·(cp - 1)/cp``;
-    * the mask: SDPA turns a boolean mask into an additive one of the activation dtype and keeps it,
-      ``b·(s/cp)·s·e``, quadratic in s (a FlexAttention block mask or a varlen kernel would not have it).
-
-    Measured on CPU (fp32, 2 gloo ranks, ``tests/dist/test_cp_memory.py``) to within a few KB per block. Under
-    recompute ``selective`` or ``full`` both are inputs of SDPA, recomputed in backward with the all-gather, so
-    they are transient (one block at a time) and 0 is counted. Under TP the KV heads divide by t.
+    Sources: Llama 3 (Dubey 2024 §3.3.2) all-gathers the K and V of the whole row; Megatron-Core's ``all_gather``
+    ``cp_comm_type`` (``AttnFuncWithCPAndKVAllGather``) keeps only the local K/V and gathers them again in backward.
+    Our ``engine/cp/allgather.py`` (``_AllGatherAttention``) does the same: it keeps the local q, k, v and the
+    ``[B, S]`` document ids (stored once per batch, shared by every block) and recomputes the attention in backward,
+    so neither the whole row's K/V nor the ``[B, 1, S/cp, S]`` mask is saved
+    (:func:`cp_allgather_transient_bytes_per_layer` counts them as temporary buffers). The kernel's own saved
+    tensors are not kept either: its output is the out-projection's input (already counted), and the fp32
+    log-sum-exp that the llama count includes, ``4·b·(s/cp)·heads/t`` bytes, is not saved. Under recompute
+    ``selective`` (the fused attention's outputs, log-sum-exp included, are what it keeps) and ``full`` the count
+    is unchanged: 0. Measured on CPU (fp32, 2 gloo ranks, ``tests/dist/test_cp_memory.py``).
     """
     recompute = Recompute.parse(recompute, "recompute")
     if cp <= 1 or recompute != Recompute.NONE:
+        return 0
+    return -math.ceil(FP32_BYTES * micro_batch * (seq / cp) * heads / tp)
+
+
+def cp_allgather_transient_bytes_per_layer(
+    *,
+    seq: int,
+    micro_batch: int,
+    kv_dim: int,
+    cp: int,
+    tp: int = 1,
+    element_bytes: int = ACT_ELEMENT_BYTES_16BIT,
+) -> int:
+    """The temporary buffers of one block's all-gathered K/V attention, per rank, per micro-batch (forward, and
+    again in backward, where ``engine/cp/allgather.py`` gathers K/V once more; one block at a time).
+
+    Sources: Llama 3 (Dubey 2024 §3.3.2). With s = seq, b = micro_batch, kv = kv_dim, e = ``element_bytes``, t = tp:
+    the whole row's K and V beyond the local ones, ``2·b·s·(kv/t)·e·(cp - 1)/cp``, and the additive mask SDPA makes
+    of the engine's boolean ``[B, 1, S/cp, S]`` document mask, ``b·(s/cp)·s·e``, quadratic in s (a FlexAttention
+    block mask or a varlen kernel would not have it).
+    """
+    if cp <= 1:
         return 0
     e = element_bytes
     kv = 2 * micro_batch * seq * (kv_dim / tp) * e * (cp - 1) / cp
@@ -554,6 +574,7 @@ __all__ = [
     "activation_bytes_per_layer",
     "activation_bytes_per_layer_of",
     "cp_allgather_delta_bytes_per_layer",
+    "cp_allgather_transient_bytes_per_layer",
     "fp8_activation_delta_bytes_per_layer",
     "fp8_gathered_params",
     "grad_bucket_bytes",

@@ -241,11 +241,11 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
                                            float8_params=mem.fp8_gathered_params(shape, lay.fp8))  # fmt: skip
         if lay.pp == 1:
             temp += mem.logits_bytes(seq=lay.seq // lay.cp, micro_batch=lay.micro_batch, vocab=shape.vocab, tp=lay.tp)
-        if lay.cp_mode == CPMode.ALLGATHER and lay.recompute != Recompute.NONE:
-            # recompute rebuilds one block's gathered K/V and mask at a time in backward: transient, not saved
-            temp += mem.cp_allgather_delta_bytes_per_layer(seq=lay.seq, micro_batch=lay.micro_batch,
-                                                           kv_dim=shape.kv_dim, cp=lay.cp, tp=lay.tp,
-                                                           element_bytes=element)
+        if lay.cp_mode == CPMode.ALLGATHER:
+            # one block's gathered K/V and mask, in forward and again in backward: transient, not saved
+            temp += mem.cp_allgather_transient_bytes_per_layer(seq=lay.seq, micro_batch=lay.micro_batch,
+                                                               kv_dim=shape.kv_dim, cp=lay.cp, tp=lay.tp,
+                                                               element_bytes=element)
     if shard > 1:
         temp += mem.grad_bucket_bytes(zero=lay.zero)
     device_act, offloaded = act, 0
@@ -328,8 +328,9 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
         ep = moe_.recommend_ep(model.shape.num_experts, dp_shard=dp) if rec.ep > 1 and plain else 1
     cp_mode = None
     if cp > 1 and model.shape is not None:
-        cp_mode = comm_.choose_cp_mode(train.cp_mode, cp=cp, heads=model.shape.heads,
-                                       kv_heads=model.shape.kv_heads)[0]
+        # the engine decides on the heads of one tp rank (cp runs on what tp left)
+        cp_mode = comm_.choose_cp_mode(train.cp_mode, cp=cp, heads=model.shape.heads // tp,
+                                       kv_heads=max(1, model.shape.kv_heads // tp))[0]
     return Layout(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, schedule=schedule,
                   virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
                   optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
@@ -554,13 +555,14 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
 
 def _cp_report(shape, lay: Layout, requested: CPMode, element: int) -> CPReport:
     """Both schemes' bytes per layer (ulysses only where the heads allow it) and why the plan's was chosen."""
-    _, why = comm_.choose_cp_mode(requested, cp=lay.cp, heads=shape.heads, kv_heads=shape.kv_heads)
+    heads, kv_heads = shape.heads // lay.tp, max(1, shape.kv_heads // lay.tp)  # one tp rank's, as the engine
+    _, why = comm_.choose_cp_mode(requested, cp=lay.cp, heads=heads, kv_heads=kv_heads)
     modes = [CPMode.ALLGATHER]
-    if comm_.ulysses_kv_replication(lay.cp, heads=shape.heads, kv_heads=shape.kv_heads) is not None:
+    if comm_.ulysses_kv_replication(lay.cp, heads=heads, kv_heads=kv_heads) is not None:
         modes.insert(0, CPMode.ULYSSES)
     per = {m.value: comm_.cp_comm_bytes_per_layer(seq=lay.seq, micro_batch=lay.micro_batch, kv_dim=shape.kv_dim // lay.tp,
                                                   cp=lay.cp, element_bytes=element, recompute=lay.recompute, mode=m,
-                                                  heads=shape.heads // lay.tp, kv_heads=max(1, shape.kv_heads // lay.tp))
+                                                  heads=heads, kv_heads=kv_heads)
            for m in modes}  # fmt: skip
     return CPReport(mode=lay.cp_mode, requested=requested, why=why, bytes_per_layer=per)
 

@@ -9,7 +9,8 @@ to the others: an all-to-all keeps its own block ((cp-1)/cp of its input leaves)
 other ranks' cp-1 blocks ((cp-1)/cp of its output), a ring reduce-scatter (cp-1)/cp of its input.
 
 Asserted, per rank: the counted bytes per layer are within 5% of ``planner.comm.cp_comm_bytes_per_layer`` for the
-same shape (forward + backward; with full recompute the forward's collectives once more), for ulysses and
+same shape (ulysses: forward + backward; allgather: forward, backward's second all-gather and the reduce-scatter;
+with full recompute the forward's collectives once more), for ulysses and
 allgather and for two head configurations under ``auto``, whose collectives show which scheme ran: the one
 ``planner.comm.choose_cp_mode`` names.
 """
@@ -29,12 +30,14 @@ RUNS = {
     "allgather": ("allgather", 8, 4, "none"),
     "ulysses-full-recompute": ("ulysses", 8, 4, "full"),
     "allgather-full-recompute": ("allgather", 8, 4, "full"),
+    "ulysses-selective-recompute": ("ulysses", 8, 4, "selective"),
+    "allgather-selective-recompute": ("allgather", 8, 4, "selective"),
     "auto-h8-kv4": ("auto", 8, 4, "none"),
     "auto-h4-kv4": ("auto", 4, 4, "none"),
 }
 
 
-def _count(rank: int, world: int) -> dict[str, dict[str, int]]:
+def _count(rank: int, world: int) -> dict[str, dict]:
     import torch
     import torch.distributed as dist
 
@@ -73,7 +76,7 @@ def _count(rank: int, world: int) -> dict[str, dict[str, int]]:
             row += list(range(int(torch.randint(5, 90, (1,), generator=g))))
         pos.append(row[:SEQ])
     batch = {"input_ids": torch.randint(0, 64, (B, SEQ), generator=g), "position_ids": torch.tensor(pos)}
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, dict] = {"grads": {}}
     try:
         for name, (mode, heads, kv_heads, recompute) in RUNS.items():
             torch.manual_seed(0)
@@ -88,13 +91,14 @@ def _count(rank: int, world: int) -> dict[str, dict[str, int]]:
                 logits = model(part.local["input_ids"], part.local["position_ids"])
                 logits.float().square().mean().backward()
             out[name] = dict(sent)
+            out["grads"][name] = {n: p.grad.clone() for n, p in model.named_parameters()}
     finally:
         dist.all_to_all_single, ag._all_gather, ag._reduce_scatter = real_a2a, real_ag, real_rs
     return out
 
 
 @pytest.fixture(scope="module")
-def counted() -> list[dict[str, dict[str, int]]]:
+def counted() -> list[dict[str, dict]]:
     return spawn(_count, world_size=2, timeout=180)
 
 
@@ -115,9 +119,9 @@ def test_counted_bytes_per_layer_match_the_planner(counted, name) -> None:
         assert abs(per_layer / planned - 1) <= TOL, (name, rank, got[name], planned)
         if mode == "ulysses":
             assert got[name]["all_gather"] == got[name]["reduce_scatter"] == 0
-        else:  # the all-gather of K/V in forward (and again in a recompute), its gradient reduce-scattered
+        else:  # K/V all-gathered in forward, again in backward (and in a recompute), the gradient reduce-scattered
             assert got[name]["all_to_all"] == 0
-            passes = 2 if recompute == "full" else 1
+            passes = 2 if recompute == "none" else 3
             assert got[name]["all_gather"] == passes * got[name]["reduce_scatter"]
 
 
@@ -134,3 +138,20 @@ def test_auto_runs_the_scheme_the_planner_names(counted, name) -> None:
         ran = "ulysses" if got[name]["all_to_all"] else "allgather"
         assert ran == chosen.value, got[name]
         assert abs(sum(got[name].values()) / LAYERS / planned - 1) <= TOL
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "allgather"])
+def test_recompute_gives_the_gradients_of_no_recompute_bitwise(counted, mode) -> None:
+    """The same model, seed and batch at cp = 2: full and selective recompute rerun the attention (and its
+    collectives) in backward under the same context, and every parameter's gradient is bitwise that of the run
+    without recompute."""
+    import torch
+
+    for rank, got in enumerate(counted):
+        plain = got["grads"][mode]
+        assert any(g.abs().sum() > 0 for g in plain.values())
+        for recompute in ("full", "selective"):
+            again = got["grads"][f"{mode}-{recompute}-recompute"]
+            assert again.keys() == plain.keys()
+            for n, g in again.items():
+                assert torch.equal(g, plain[n]), (mode, recompute, rank, n, float((g - plain[n]).abs().max()))

@@ -19,7 +19,11 @@ import pytest
 from lightning_v17.config import CPMode, V17ConfigError
 from lightning_v17.planner import comm
 from lightning_v17.planner.cli import main
-from lightning_v17.planner.memory import activation_bytes_per_layer_of, cp_allgather_delta_bytes_per_layer
+from lightning_v17.planner.memory import (
+    activation_bytes_per_layer_of,
+    cp_allgather_delta_bytes_per_layer,
+    cp_allgather_transient_bytes_per_layer,
+)
 from lightning_v17.planner.model import get_preset
 
 HEADS = [(32, 8), (8, 4), (8, 1), (4, 4), (6, 3), (6, 2), (16, 2), (64, 8), (12, 12)]
@@ -81,29 +85,34 @@ def test_llama3_8b_cp_bytes_by_hand():
     # Hq = 32, Hkv = 8, D = 128, S = 131072, bf16, one row. Forward elements per layer:
     #   cp=2 ulysses (2*32 + 2*8) * 128 * 65536 * 1/2 = 335,544,320; allgather 2*8*128*131072*1/2 = 134,217,728
     #   cp=8 ulysses (64 + 16) * 128 * 16384 * 7/8 = 146,800,640;    allgather 2*8*128*131072*7/8 = 234,881,024
-    # bytes per layer: x2 (backward) x2 (bf16); recompute full: x3 instead of x2
+    # bytes per layer, x2 (bf16): ulysses x2 passes (forward, backward); allgather x3 (forward all-gather,
+    # backward all-gather and reduce-scatter); recompute full: one pass more
     kw = {"seq": 131072, "micro_batch": 1, "kv_dim": 1024, "heads": 32, "kv_heads": 8, "element_bytes": 2}
-    assert comm.cp_comm_bytes_per_layer(cp=2, mode="ulysses", **kw) == 335_544_320 * 4
-    assert comm.cp_comm_bytes_per_layer(cp=2, mode="allgather", **kw) == 134_217_728 * 4
-    assert comm.cp_comm_bytes_per_layer(cp=8, mode="ulysses", **kw) == 146_800_640 * 4
-    assert comm.cp_comm_bytes_per_layer(cp=8, mode="allgather", recompute="full", **kw) == 234_881_024 * 6
+    assert comm.cp_comm_bytes_per_layer(cp=2, mode="ulysses", **kw) == 335_544_320 * 2 * 2
+    assert comm.cp_comm_bytes_per_layer(cp=2, mode="allgather", **kw) == 134_217_728 * 3 * 2
+    assert comm.cp_comm_bytes_per_layer(cp=8, mode="ulysses", **kw) == 146_800_640 * 2 * 2
+    assert comm.cp_comm_bytes_per_layer(cp=8, mode="ulysses", recompute="full", **kw) == 146_800_640 * 3 * 2
+    assert comm.cp_comm_bytes_per_layer(cp=8, mode="allgather", recompute="full", **kw) == 234_881_024 * 4 * 2
     assert comm.choose_cp_mode("auto", cp=8, heads=32, kv_heads=8)[0] == CPMode.ULYSSES  # 8 > (32 + 8)/8 = 5
     assert comm.choose_cp_mode("auto", cp=4, heads=32, kv_heads=8)[0] == CPMode.ALLGATHER  # 4 < 5
     # the legacy count without a mode (Megatron-Core's, three passes) is unchanged
     assert comm.cp_comm_bytes_per_layer(seq=8192, micro_batch=1, kv_dim=1024, cp=2) == 50_331_648
 
 
-def test_activations_per_rank_divide_by_cp_plus_the_gathered_kv_and_mask():
+def test_activations_per_rank_divide_by_cp_and_allgather_keeps_no_gathered_kv():
     shape = get_preset("llama3-8b")
     kw = {"seq": 8192, "micro_batch": 1, "element_bytes": 2}
     one = activation_bytes_per_layer_of(shape, cp=1, **kw)
     uly = activation_bytes_per_layer_of(shape, cp=4, cp_mode="ulysses", **kw)
     ag = activation_bytes_per_layer_of(shape, cp=4, cp_mode="allgather", **kw)
     assert uly == pytest.approx(one / 4, abs=1)
-    # allgather, by hand: K and V of the whole row 2*8192*1024*2 B, less the local ones (/4), plus the additive
+    # allgather, by hand: the local q, k, v are kept, not the fp32 log-sum-exp [2048 tokens x 32 heads]
+    assert uly - ag == pytest.approx(2048 * 32 * 4, abs=2)
+    assert cp_allgather_delta_bytes_per_layer(seq=8192, micro_batch=1, heads=32, cp=4, recompute="full") == 0
+    # the transient buffers: K and V of the whole row 2*8192*1024*2 B, less the local ones (/4), plus the additive
     # mask [1, 1, 2048, 8192] of bf16: 25,165,824 + 33,554,432
-    assert ag - uly == pytest.approx(2 * 8192 * 1024 * 2 * 3 / 4 + 2048 * 8192 * 2, abs=2)
-    assert cp_allgather_delta_bytes_per_layer(seq=8192, micro_batch=1, kv_dim=1024, cp=4, recompute="full") == 0
+    transient = cp_allgather_transient_bytes_per_layer(seq=8192, micro_batch=1, kv_dim=1024, cp=4, element_bytes=2)
+    assert transient == 2 * 8192 * 1024 * 2 * 3 // 4 + 2048 * 8192 * 2
 
 
 def test_a_131072_token_plan_for_llama3_8b_on_8_h100_recommends_cp():

@@ -50,6 +50,7 @@ def test_each_example_violates_only_its_own_rule_first(rule, tmp_path) -> None:
 def test_a_valid_layout_violates_nothing() -> None:
     assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), pp=2, tp=2)) == []
     assert violations(Layout(TrainingPolicy(), pp=1, tp=1)) == []
+    assert violations(Layout(TrainingPolicy(), pp=1, tp=2, cp=2)) == []  # cp x tp composes (tests/dist/test_cp_tp.py)
 
 
 def test_rule_names_are_unique() -> None:

@@ -6,7 +6,8 @@ A model's attention computes q, k, v of its local tokens (``[B, S/cp, H, D]``, R
 shape as the kernel's would have had on the local tokens, so ``wo`` and everything after run unchanged.
 
 Choosing the scheme (:func:`choose_cp_mode`, ``cp_mode="auto"``) by the elements each rank sends per layer and row
-in forward (backward moves the same again):
+in forward (backward moves the same again under ulysses, twice that under allgather, which gathers K/V again rather
+than keep them):
 
 - ulysses: q, k, v and the output through an all-to-all, ``(2 Hq + 2 Hkv') D (S/cp) (cp-1)/cp`` with
   ``Hkv' = max(Hkv, cp)`` KV heads after ALST's replication;
@@ -43,7 +44,8 @@ __all__ = ["CPContext", "CPMode", "choose_cp_mode", "context_parallel_attention"
 
 
 def cp_comm_elements(mode: str | CPMode, *, seq_len: int, cp: int, heads: int, kv_heads: int, head_dim: int) -> float:
-    """Elements one rank sends per layer and row in forward (see the module docstring; backward: the same)."""
+    """Elements one rank sends per layer and row in forward (see the module docstring; backward: the same again
+    under ulysses, twice this under allgather)."""
     mode = CPMode.parse(mode)
     frac = (cp - 1) / cp
     if mode is CPMode.ULYSSES:

@@ -85,7 +85,8 @@ def check_ulysses_heads(cp: int, heads: int, kv_heads: int) -> int:
     """How many times each KV head is replicated under Ulysses (1: none); raise a user error when impossible."""
     if heads % cp:
         raise V17ConfigError(
-            f"cp_mode='ulysses' shards the attention heads over cp: cp={cp} must divide the {heads} query heads; "
+            f"cp_mode='ulysses' shards the attention heads over cp: cp={cp} must divide the {heads} query heads "
+            "of this rank (num_attention_heads / tp under tensor parallelism); "
             f"use cp_mode='allgather' (any cp degree) or cp in {[c for c in range(1, heads + 1) if heads % c == 0]}"
         )
     if kv_heads % cp == 0:
@@ -93,8 +94,9 @@ def check_ulysses_heads(cp: int, heads: int, kv_heads: int) -> int:
     if cp % kv_heads == 0:
         return cp // kv_heads
     raise V17ConfigError(
-        f"cp_mode='ulysses' with cp={cp} and {kv_heads} KV heads: cp must divide the KV heads or be a multiple of "
-        f"them (then they are replicated); use cp_mode='allgather' or another cp"
+        f"cp_mode='ulysses' with cp={cp} and {kv_heads} KV heads (of this rank: num_key_value_heads / tp under "
+        f"tensor parallelism): cp must divide the KV heads or be a multiple of them (then they are replicated); use "
+        f"cp_mode='allgather' or another cp"
     )
 
 
