@@ -5,6 +5,9 @@
 # It installs the pinned stack into a fresh venv when one is not there (the machine starts bare).
 # FP8 (issue 12): tests/gpu/test_fp8_gpu.py puts fp8_gemm_speedup (8192^3 _scaled_mm vs bf16, target >= 1.3) and
 # fp8_1b_speedup (~1.1B Llama, torchao tensorwise + torch.compile vs bf16, target >= 1.15) into "measured".
+# Activation offload tier 'cpu': tests/gpu/test_activation_offload_gpu.py checks bit-identical grads and puts
+# act_offload_cpu_overhead (step time vs no offload, equal batch, target <= 1.05) and act_offload_cpu_seq_ratio
+# (longest seq within a fixed memory budget vs no offload, target >= 1.5) into "measured".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)

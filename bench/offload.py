@@ -44,9 +44,19 @@ overlap; no PCIe term on a CPU-only machine), next to the tier's measured I/O-th
 DeepSpeed's nvme tier needs its ``async_io`` op (Debian's ``libaio-dev``); without it the ``ds_nvme*`` arms fail at
 start with DeepSpeed's own message, and the V17 arms use the thread-pool backend (``io_backend`` in the JSON).
 
+Activation offload (``--activations``): the reference Llama (tiny but wide: activations dominate) at ZeRO-3 on 2
+ranks through ``engine.parallelize`` at seq 2048, without offload (``act_none``) and with
+``ActivationOffload(tier="nvme")`` (``act_nvme``, ``resident_blocks=1``), the same model, data and SGD, each arm in a
+fresh pair of processes started with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors leave the RSS). Per rank: the
+peak RSS rise of one step above its start (``VmHWM`` after ``/proc/self/clear_refs`` reset it, warm-up excluded),
+the bytes offloaded per step, and ``rss_drop_over_offloaded`` (target >= 0.8); ``ratios`` has the step-time
+overhead (``act_nvme/act_none`` tokens/s) and ``losses_identical``. It writes ``bench/results/offload-activations.json``
+with ``--json-out``.
+
     python bench/offload.py                       # every arm, 1 round
     python bench/offload.py --arms none,nvme,nvme_params   # the parameter-offload table
     python bench/offload.py --arms none,nvme --rounds 2 --shape '{"hidden": 512, "layers": 4}'
+    python bench/offload.py --activations --json-out bench/results/offload-activations.json
 """
 
 from __future__ import annotations
@@ -333,6 +343,115 @@ def _rounds(args: argparse.Namespace, arms: list[str], common: list[str], runs: 
             print(f"[round {rnd + 1}] {a}: {msg} ({time.monotonic() - t:.0f}s)", file=sys.stderr, flush=True)
 
 
+#: the activation arms' reference Llama: 8 blocks of width 128, one row of 2048 tokens per rank
+ACT_SHAPE = {"vocab_size": 256, "hidden": 128, "layers": 8, "heads": 2, "kv_heads": 2, "ffn": 384, "seq": 2048}
+ACT_ARMS = ("act_none", "act_nvme")
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _activation_worker(args: argparse.Namespace, arm: str) -> None:
+    rank, world = C.worker_setup()
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_v17.config import MeshSpec, TrainingPolicy, ZeroPolicy
+    from lightning_v17.engine.offload.activations import ActivationOffload
+    from lightning_v17.engine.parallelize import parallelize
+    from lightning_v17.mesh import MeshRuntime, build_device_mesh
+    from lightning_v17.models import Llama, ModelConfig
+
+    dist.init_process_group("gloo")
+    shape = dict(ACT_SHAPE, **json.loads(args.shape)) if args.shape != json.dumps(DEFAULT_SHAPE) else dict(ACT_SHAPE)
+    seq = shape.pop("seq")
+    cfg = ModelConfig(**shape, max_seq_len=seq)
+    spec = MeshSpec(dp_shard=world)
+    mesh = MeshRuntime(spec, build_device_mesh(spec, device_type="cpu"))
+    model = Llama(cfg, init_seed=0)
+    done = parallelize(model, mesh=mesh, policy=TrainingPolicy(zero=ZeroPolicy(stage=3)), device="cpu")
+    off = None
+    if arm == "act_nvme":
+        off = ActivationOffload(done.units, nvme_path=args.nvme_path, min_bytes=256 * 1024, resident_blocks=1,
+                                rank=rank)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1234 + rank)
+    batches = [torch.randint(0, cfg.vocab_size, (1, seq), generator=g) for _ in range(args.warmup + args.steps)]
+    timer, losses, rise, offloaded = C.StepTimer(args.warmup, args.steps), [], None, None
+    for step, ids in enumerate(batches):
+        measure = step == args.warmup  # the first timed step also measures the peak RSS rise
+        if measure:
+            gc.collect()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := the current RSS
+            start, before = _status_kb("VmRSS"), off.stats["bytes_offloaded"] if off else 0
+        loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        if measure:
+            rise = (_status_kb("VmHWM") - start) * 1024
+            offloaded = (off.stats["bytes_offloaded"] - before) if off else 0
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        timer.after_step(step)
+    extra = {"losses": losses, "rss_rise_bytes": rise, "offloaded_bytes_per_step": offloaded,
+             "pool_allocations": off.pool.allocations if off else None, "pool_misses": off.pool.misses if off else None,
+             "io_backend": off.io.name if off else None}  # fmt: skip
+    if off is not None:
+        off.close()
+    C.write_result(args._out, timer, C.GPTShape(vocab=cfg.vocab_size, hidden=cfg.hidden, layers=cfg.layers,
+                   heads=cfg.heads, seq=seq, batch=1), world, **extra)  # fmt: skip
+    dist.destroy_process_group()
+
+
+def _activations_main(args: argparse.Namespace) -> dict:
+    nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="v17-act-offload-bench-")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # both arms: freed tensors leave the process
+    common = ["--activations", "--steps", str(args.steps), "--warmup", str(args.warmup), "--shape", args.shape,
+              "--nvme-path", nvme_path]  # fmt: skip
+    runs: dict[str, list[dict]] = {a: [] for a in ACT_ARMS}
+    t_start = time.monotonic()
+    try:
+        for r in range(args.rounds):
+            for arm in ACT_ARMS if r % 2 == 0 else ACT_ARMS[::-1]:
+                runs[arm].append(C.launch(__file__, [*common, "--_worker", arm], timeout_s=args.timeout))
+    finally:
+        if args.nvme_path is None:
+            shutil.rmtree(nvme_path, ignore_errors=True)
+    results = {a: C.summarize(runs[a]) for a in ACT_ARMS}
+    rows = []
+    last = {a: [r for r in runs[a] if r["ok"]][-1]["ranks"] for a in ACT_ARMS if any(r["ok"] for r in runs[a])}
+    if set(last) == set(ACT_ARMS):
+        for k, (base, got) in enumerate(zip(last["act_none"], last["act_nvme"])):
+            drop = base["rss_rise_bytes"] - got["rss_rise_bytes"]
+            rows.append({
+                "rank": k, "rss_rise_mb_none": round(base["rss_rise_bytes"] / 2**20, 1),
+                "rss_rise_mb_nvme": round(got["rss_rise_bytes"] / 2**20, 1),
+                "offloaded_mb_per_step": round(got["offloaded_bytes_per_step"] / 2**20, 1),
+                "rss_drop_over_offloaded": round(drop / got["offloaded_bytes_per_step"], 3),
+                "pool_allocations": got["pool_allocations"], "pool_misses": got["pool_misses"],
+                "io_backend": got["io_backend"],
+            })  # fmt: skip
+    out = {
+        "model": {"name": "lightning_v17.models.Llama (fp32, SGD)", **ACT_SHAPE, **json.loads(args.shape)}
+        if args.shape != json.dumps(DEFAULT_SHAPE) else {"name": "lightning_v17.models.Llama (fp32, SGD)", **ACT_SHAPE},
+        "world_size": 2, "zero_stage": 3, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "min_kb": 256, "resident_blocks": 1,
+        **C.ratio_tables(results, ACT_ARMS, [("act_nvme", "act_none")]),
+        "rss_table": rows,
+        "losses_identical": all(a["losses"] == b["losses"] for a, b in zip(last.get("act_none", []),
+                                                                            last.get("act_nvme", [None]))),
+        "results": results, "wall_s": round(time.monotonic() - t_start, 1),
+    }  # fmt: skip
+    C.emit_json(out, args.json_out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per run (default 2)")
@@ -353,10 +472,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="V17 arms: lightning_v17.optim.AdamW (fused, default) or CPUAdam (DeepSpeed's op)",
     )
     ap.add_argument("--json-out", default=None, help="also write the JSON here")
+    ap.add_argument("--activations", action="store_true",
+                    help="the activation-offload arms instead (act_none, act_nvme; module docstring)")  # fmt: skip
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--nvme-bw", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args._worker and args.activations:
+        _activation_worker(args, args._worker)
+        return {}
+    if args.activations:
+        return _activations_main(args)
     if args._worker:
         _deepspeed_worker(args, args._worker) if args._worker.startswith("ds_") else _worker(args, args._worker)
         return {}

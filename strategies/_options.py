@@ -97,6 +97,10 @@ def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
         from lightning_v17.engine.offload.nvme import check_nvme_path
 
         check_nvme_path(offload.nvme_path)  # exists and is writable: now, before any process starts
+    if offload.activations == Tier.CPU:
+        from lightning_v17.engine.offload.activations import check_activation_tier
+
+        check_activation_tier(offload.activations, option="offload.activations")  # CUDA only: refused here, now
     recompute = given["activation_checkpointing"]
     policy = replace(
         base,
@@ -190,7 +194,7 @@ def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: i
     if policy.expert.size == 1 and "dispatcher" in expert:
         notes.append(f"ep.{_show('dispatcher', expert['dispatcher'])} applies only with ep > 1")
     if policy.offload.activations == Tier.NONE:
-        notes += [f"offload.{_show(n, offload[n])} applies only with offload.activations='nvme'"
+        notes += [f"offload.{_show(n, offload[n])} applies only with offload.activations='nvme' or 'cpu'"
                   for n in ("activation_min_kb", "resident_blocks") if n in offload]  # fmt: skip
     if "wrap_classes" in zero and not policy.zero.shards_params and policy.recompute == Recompute.NONE:
         notes.append("zero.wrap_classes names the ZeRO-3 units and the recompute blocks; neither is in use here")

@@ -152,11 +152,12 @@ class OffloadPolicy:
             live on an accelerator) are faulted in anew each step (3.7M GPT on CPU: 0.81-0.92x DeepSpeed's
             tokens/s against recycle's 1.03-1.15x). ``bench/offload.py`` measures both (``nvme`` /
             ``nvme_return``, ``nvme_params`` / ``nvme_params_return``).
-        activations: where the repeated blocks' saved activations go between forward and backward: "none" or
-            "nvme" (files under ``nvme_path``, written block by block in forward, read one block ahead in backward;
-            with selective recompute, what recompute keeps; with full recompute, the blocks' inputs;
-            ``lightning_v17/engine/offload/activations.py``). "cpu" is refused: on this CPU build it would move
-            host memory to host memory, and the accelerator path (pinned buffers, a side stream) is not built.
+        activations: where the repeated blocks' saved activations go between forward and backward: "none",
+            "nvme" (files under ``nvme_path``, written block by block in forward, read one block ahead in backward
+            into a pool of host buffers) or "cpu" (CUDA only: pinned host buffers, copied on a side stream ordered
+            by events; refused where torch sees no CUDA device, since a host-to-host move saves nothing; never
+            copied while a CUDA graph is being captured). With selective recompute, what recompute keeps; with full
+            recompute, the blocks' inputs (``lightning_v17/engine/offload/activations.py``).
         activation_min_kb: saved tensors smaller than this many KiB stay in memory.
         resident_blocks: the last blocks whose saved tensors are never offloaded (backward needs them first).
     """
@@ -176,12 +177,6 @@ class OffloadPolicy:
         object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "offload_optimizer"))
         object.__setattr__(self, "params", Tier.parse(self.params, "offload_params"))
         object.__setattr__(self, "activations", Tier.parse(self.activations, "offload.activations"))
-        if self.activations == Tier.CPU:
-            raise V17ConfigError(
-                "offload.activations='cpu' is not built: without an accelerator it would move host memory to host "
-                "memory and save nothing, and the accelerator path (pinned buffers, a side stream, events) is not "
-                "written yet; use 'nvme' with nvme_path=, or 'none'"
-            )
         if isinstance(self.resident_blocks, bool) or not isinstance(self.resident_blocks, int) or self.resident_blocks < 0:
             raise V17ConfigError(f"offload resident_blocks={self.resident_blocks!r} must be an integer >= 0")
         if isinstance(self.activation_min_kb, bool) or not isinstance(self.activation_min_kb, (int, float)) or not (

@@ -1,13 +1,19 @@
 """Activation offload at ZeRO-3 on 2 gloo ranks, through the engine alone (``engine.parallelize.parallelize``).
 
 The reference Llama (4 blocks) at ZeRO-3 over ``dp_shard=2``, without recompute and with selective recompute,
-3 SGD steps on each rank's half of the batch: with :class:`ActivationOffload` on the blocks the losses, each rank's
+5 SGD steps on each rank's half of the batch: with :class:`ActivationOffload` on the blocks the losses, each rank's
 local gradient shards at every step and its final parameter shards equal the same run without offload bit for bit.
+
+The read-back buffer pool is really reused: over steps 2..5 reads happen every step while the pool's allocation
+counter stays where step 1 left it (two buffers: the block being differentiated and the one read ahead) and no read
+is served outside the pool, so three steps in a row and more run on recycled buffers, bit for bit.
 FSDP2 frees and re-gathers the unsharded parameters the blocks save; they are never offloaded (a write of one would
 be a copy FSDP2 cannot reshard), which the run checks from the tier's write log.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -15,7 +21,7 @@ from tests._dist import spawn
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 3
+STEPS = 5
 
 
 def _run(mode: str, nvme_path: str | None, rank: int) -> dict:
@@ -48,7 +54,7 @@ def _run(mode: str, nvme_path: str | None, rank: int) -> dict:
 
         off.io.write = logged
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses, grads = [], []
+    losses, grads, pool = [], [], []
     for s in range(STEPS):
         ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(s))[2 * rank :][:2]
         loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
@@ -57,12 +63,15 @@ def _run(mode: str, nvme_path: str | None, rank: int) -> dict:
         grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
+        if off is not None:  # after each step: buffers allocated, requests served outside the pool, reads so far
+            reads = off.stats["reads_ahead"] + off.stats["reads_on_demand"]
+            pool.append((off.pool.allocations, off.pool.misses, off.pool.reuses, reads))
     params = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     stats = dict(off.stats) if off is not None else {}
     if off is not None:
         off.close()
     return {"losses": losses, "grads": grads, "params": params, "stats": stats,
-            "param_writes": sum(written), "writes": len(written)}  # fmt: skip
+            "param_writes": sum(written), "writes": len(written), "pool": pool}  # fmt: skip
 
 
 def _worker(rank: int, world: int, root: str) -> dict:
@@ -87,4 +96,9 @@ def test_zero3_two_ranks_offload_equals_no_offload_bit_for_bit(tmp_path):
                     assert torch.equal(ga[name], gb[name]), (rank, mode, step, name)
             for name in ref["params"]:
                 assert torch.equal(ref["params"][name], got["params"][name]), (rank, mode, name)
+            allocs, misses, reuses, reads = zip(*got["pool"])
+            assert allocs[0] == 2 and set(allocs) == {2}, (rank, mode, got["pool"])  # flat after step 1
+            assert set(misses) == {0}, (rank, mode, got["pool"])  # no read outside the pool
+            assert all(b > a for a, b in itertools.pairwise(reads)), (rank, mode, got["pool"])  # reads every step
+            assert all(b > a for a, b in itertools.pairwise(reuses)), (rank, mode, got["pool"])  # from recycled buffers
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # every rank's folder removed

@@ -201,3 +201,31 @@ def test_selective_recompute_offloads_what_it_saves_and_still_recomputes_the_res
     assert counted.calls.get("aten.silu.default") == CFG.layers, counted.calls  # recomputed in every block
     assert counted.calls.get("aten.rsqrt.default") == 2 * CFG.layers, counted.calls
     assert counted.calls.get("aten.mm.default") == 2 * (7 * CFG.layers + 1), counted.calls  # gradients only
+
+
+def test_block_pool_reuses_only_buffers_nothing_views_and_the_gpu_checks_import():
+    """The read-back pool (``activation_buffers.BlockPool``) by itself: a buffer comes back only once no slice of it
+    is alive; beyond ``cap`` a request is served outside the pool; idle pages are dropped, the buffers kept. The CUDA
+    tier's GPU checks import here (they skip without a device)."""
+    import importlib
+
+    from lightning_v17.engine.offload.activation_buffers import BlockPool
+
+    pool = BlockPool(2)
+    a = pool.take(10_000)
+    view = a[100:200]  # an entry's slice, still held
+    del a
+    b = pool.take(5_000)
+    assert pool.allocations == 2 and pool.reuses == 0, vars(pool)  # the first buffer is still viewed: not reused
+    c = pool.take(5_000)
+    assert pool.misses == 1 and c.numel() == 5_000, vars(pool)  # both lent: outside the pool
+    del view, b, c
+    d = pool.take(8_000)
+    assert pool.reuses == 1 and pool.allocations == 2 and d.numel() == 8_000, vars(pool)
+    d.fill_(7)
+    del d
+    pool.idle()  # the pages leave, the mapping stays: the next take reuses it (zero-filled again)
+    e = pool.take(8_000)
+    assert pool.allocations == 2 and int(e.sum()) == 0, vars(pool)
+    mod = importlib.import_module("tests.gpu.test_activation_offload_gpu")
+    assert hasattr(mod, "test_cpu_tier_gradients_equal_no_offload_bit_for_bit")

@@ -9,6 +9,7 @@ import inspect
 import warnings
 
 import pytest
+import torch
 
 from lightning_v17.config import (
     FP8Policy,
@@ -246,8 +247,9 @@ def test_ep_takes_its_size_or_its_policy():
 def test_activation_offload_options_are_checked_at_construction(tmp_path):
     s = _strategy(offload=OffloadPolicy(activations="nvme", nvme_path=str(tmp_path), resident_blocks=2))
     assert s.policy.offload.activations.value == "nvme" and s.policy.offload.resident_blocks == 2
-    with pytest.raises(V17ConfigError, match=r"offload.activations='cpu' is not built: without an accelerator"):
-        OffloadPolicy(activations="cpu")
+    if not torch.cuda.is_available():  # the CUDA tier: refused by the strategy where torch sees no CUDA device
+        with pytest.raises(V17ConfigError, match=r"offload.activations='cpu' on a machine without an accelerator"):
+            _strategy(offload=OffloadPolicy(activations="cpu"))
     with pytest.raises(V17ConfigError, match="needs nvme_path"):
         OffloadPolicy(activations="nvme")
     with pytest.raises(V17ConfigError, match="does not exist"):
@@ -255,5 +257,6 @@ def test_activation_offload_options_are_checked_at_construction(tmp_path):
     with pytest.raises(V17ConfigError, match="resident_blocks=-1 must be an integer >= 0"):
         OffloadPolicy(activations="nvme", nvme_path=str(tmp_path), resident_blocks=-1)
     msgs = _warnings(lambda: _strategy(offload=OffloadPolicy(resident_blocks=3)))
-    want = "V17Strategy: offload.resident_blocks=3 applies only with offload.activations='nvme'; it is ignored here"
+    want = ("V17Strategy: offload.resident_blocks=3 applies only with offload.activations='nvme' or 'cpu'; it is "
+            "ignored here")
     assert msgs == [want], msgs

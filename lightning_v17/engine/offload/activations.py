@@ -21,9 +21,15 @@ activation offloading; here through the nvme tier's I/O, :mod:`~lightning_v17.en
   its cache (not in autograd), so the block's checkpoint is rebuilt with a cache that offloads them; what recompute
   recomputes is never saved, so never written. torch 2.13's eager ``CheckpointPolicy.MUST_CPU_OFFLOAD`` recomputes
   instead of offloading; this is the eager path that does offload.
-* **Tiers.** ``"nvme"`` only. ``"cpu"`` on a machine without an accelerator would move host memory to host memory
-  and save nothing, so it is refused with that reason; on an accelerator it needs pinned buffers, a side stream and
-  events (and the stream-capture hazard torchtitan hit), which are not built: refused too.
+* **Buffers.** Reads come back into a pool of host buffers, each holding one block's bytes
+  (:class:`~.activation_buffers.BlockPool`, two of them: the block being differentiated and the one read ahead),
+  reused across blocks and steps; a buffer is refilled only once nothing views it (no entry, no read in flight, no
+  tensor autograd still holds). Between backward and the next forward the idle buffers' pages leave the RSS.
+* **Tiers.** ``"nvme"`` for CPU blocks. ``"cpu"`` for blocks on a CUDA device: saved tensors are copied into pinned
+  host buffers from a pool (one block each, reused across steps) on a side stream in forward and prefetched back on
+  it in backward (:class:`~.activation_buffers.CudaCopies`); never while a CUDA graph is being captured (the tensor
+  stays on the device). On a machine without an accelerator ``"cpu"`` would move host memory to host memory and
+  save nothing, so it is refused with that reason.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from lightning_v17.config import Recompute, Tier, V17ConfigError
 from lightning_v17.engine import recompute as _recompute
+from lightning_v17.engine.offload.activation_buffers import BlockPool, CudaCopies, aligned, pinned
 from lightning_v17.engine.offload.nvme import NvmeFileSet, check_nvme_path, host_buffer
 from lightning_v17.engine.offload.tier_io import TierIO, open_io
 
@@ -52,7 +59,7 @@ __all__ = ["DEFAULT_MIN_BYTES", "ActivationOffload", "check_activation_tier"]
 log = logging.getLogger(__name__)
 
 STAT_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "tensors_shared", "reads_ahead", "reads_on_demand",
-             "ready_at_use")  # fmt: skip
+             "ready_at_use", "kept_capturing")  # fmt: skip
 #: saved tensors smaller than this stay in memory (many small files cost more than they free)
 DEFAULT_MIN_BYTES = 2**20
 
@@ -61,22 +68,17 @@ def check_activation_tier(tier: Tier | str, *, option: str = "activation_offload
     """The activation tier, or a refusal that names the option and the reason.
 
     Raises:
-        V17ConfigError: ``"cpu"`` (no accelerator: a host-to-host move saves nothing; with one: not built yet), or a
-            tier that is not ``"nvme"``.
+        V17ConfigError: ``"cpu"`` without a CUDA device (a host-to-host move saves nothing), or a tier that is
+            neither ``"nvme"`` nor ``"cpu"``.
     """
     t = Tier.parse(tier, option)
-    if t == Tier.CPU:
-        if not torch.cuda.is_available():
-            raise V17ConfigError(
-                f"{option}='cpu' on a machine without an accelerator moves saved activations from host memory to "
-                f"host memory: it saves nothing. Use {option}='nvme' with nvme_path=<directory>, or turn it off"
-            )
+    if t == Tier.CPU and not torch.cuda.is_available():
         raise V17ConfigError(
-            f"{option}='cpu' on an accelerator (pinned host buffers, a side stream and events) is not built yet; "
-            f"use {option}='nvme' with nvme_path=<directory>, or turn it off"
+            f"{option}='cpu' on a machine without an accelerator moves saved activations from host memory to "
+            f"host memory: it saves nothing. Use {option}='nvme' with nvme_path=<directory>, or turn it off"
         )
-    if t != Tier.NVME:
-        raise V17ConfigError(f"{option}={t.value!r}: activation offload needs {option}='nvme'")
+    if t not in (Tier.NVME, Tier.CPU):
+        raise V17ConfigError(f"{option}={t.value!r}: activation offload needs {option}='nvme' (or 'cpu' on CUDA)")
     return t
 
 
@@ -93,14 +95,16 @@ def _dense(t: torch.Tensor) -> bool:
 class _Segment:
     """One block's forward in one pass: its position in ``blocks``, whether it stays resident, its entries."""
 
-    __slots__ = ("count", "entries", "index", "param_ptrs", "pass_id", "prev", "reads_issued", "resident", "used")
+    __slots__ = ("count", "cursor", "entries", "host", "index", "nbytes", "param_ptrs", "pass_id", "prev",
+                 "reads_issued", "resident", "used")  # fmt: skip
 
     def __init__(self, index: int, pass_id: int, resident: bool, prev: _Segment | None, param_ptrs: set) -> None:
         self.index, self.pass_id, self.resident, self.prev = index, pass_id, resident, prev
         self.entries: list[Any] = []  # weak references to its offloaded entries
         self.used = self.reads_issued = False
         self.param_ptrs = param_ptrs
-        self.count = 0
+        self.count = self.nbytes = self.cursor = 0  # nbytes: its entries' aligned bytes (a pool buffer's share)
+        self.host: torch.Tensor | None = None  # the "cpu" tier: the pooled pinned buffer its copies go to
 
 
 class _Kept:
@@ -120,6 +124,7 @@ class _Entry:
         "dense",
         "dtype",
         "flat",
+        "host",
         "key",
         "nbytes",
         "owner",
@@ -134,14 +139,15 @@ class _Entry:
         "write",
     )  # fmt: skip
 
-    def __init__(self, owner: ActivationOffload, seg: _Segment, key: tuple, t: torch.Tensor, path: Path) -> None:
-        self.owner, self.seg, self.key, self.path = owner, seg, key, path
+    def __init__(self, owner: ActivationOffload, seg: _Segment, key: tuple, t: torch.Tensor, path: Path | None) -> None:
+        self.owner, self.seg, self.key, self.path = owner, seg, key, path  # path: None on the "cpu" tier
         self.dtype, self.size, self.stride, self.dense = t.dtype, tuple(t.shape), t.stride(), _dense(t)
         self.nbytes, self.version, self.src = t.numel() * t.element_size(), t._version, t
         self.write: Future | None = None
         self.read: Future | None = None
         self.value: torch.Tensor | None = None
         self.flat: torch.Tensor | None = None  # the bytes read back, as a flat tensor of ``dtype``
+        self.host: torch.Tensor | None = None  # the "cpu" tier: its bytes in pinned host memory until read back
 
     def result(self) -> torch.Tensor:
         """The saved tensor back (waits for its read; reads it now if nothing read it ahead)."""
@@ -157,16 +163,18 @@ class _Entry:
             except Exception as err:
                 raise OSError(f"activation offload: reading {self.path} back failed ({err})") from err
             self.read = None
-            _unlink(self.path)
+            if self.path is not None:
+                _unlink(self.path)
             flat = self.flat = buf.view(self.dtype)
             if self.dense:
                 self.value = flat.as_strided(self.size, self.stride)
             else:
-                self.value = torch.empty_strided(self.size, self.stride, dtype=self.dtype).copy_(flat.view(self.size))
+                self.value = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=flat.device)
+                self.value.copy_(flat.view(self.size))
         return self.value
 
     def __del__(self) -> None:  # dropped unused (no backward) or consumed: the file goes
-        if getattr(self, "value", 0) is None:
+        if getattr(self, "value", 0) is None and getattr(self, "path", None) is not None:
             write = self.write
             if write is not None and not write.done():
                 write.add_done_callback(functools.partial(_unlink_after, self.path))
@@ -262,16 +270,18 @@ class ActivationOffload:
     Args:
         blocks: the model's repeated blocks in forward order (the recompute / ZeRO-3 units), after recompute and ZeRO
             are applied.
-        tier: ``"nvme"`` (see :func:`check_activation_tier` for ``"cpu"``).
-        nvme_path: directory on a local drive; checked with :func:`~.nvme.check_nvme_path`.
+        tier: ``"nvme"`` (CPU blocks: files under ``nvme_path``) or ``"cpu"`` (blocks on a CUDA device: pinned host
+            memory; refused without one, :func:`check_activation_tier`).
+        nvme_path: directory on a local drive (``"nvme"``); checked with :func:`~.nvme.check_nvme_path`.
         min_bytes: saved tensors smaller than this stay in memory.
         resident_blocks: the last this many blocks are never offloaded (backward needs them first).
         rank: this process's rank (names its folder).
         option: the user option's name, for error messages.
 
     Raises:
-        V17ConfigError: a missing or unwritable ``nvme_path``, ``"cpu"``, a negative ``resident_blocks`` or
-            ``min_bytes``, no blocks, or blocks on an accelerator (not built).
+        V17ConfigError: a missing or unwritable ``nvme_path``, ``"cpu"`` without CUDA, a negative
+            ``resident_blocks`` or ``min_bytes``, no blocks, or blocks on a device the tier does not serve
+            (``"nvme"``: CPU blocks; ``"cpu"``: CUDA blocks).
     """
 
     def __init__(
@@ -279,21 +289,36 @@ class ActivationOffload:
         min_bytes: int = DEFAULT_MIN_BYTES, resident_blocks: int = 1, rank: int = 0,
         option: str = "activation_offload",
     ) -> None:  # fmt: skip
-        check_activation_tier(tier, option=option)
-        path = check_nvme_path(nvme_path, option="nvme_path")
+        self.tier = check_activation_tier(tier, option=option)
+        path = check_nvme_path(nvme_path, option="nvme_path") if self.tier == Tier.NVME else None
         blocks = list(blocks)
         if not blocks:
             raise V17ConfigError(f"{option}: the model has no repeated blocks to offload; set wrap_classes")
         if resident_blocks < 0 or min_bytes < 0:
             raise V17ConfigError(f"{option}: resident_blocks={resident_blocks} and min_bytes={min_bytes} must be >= 0")
-        devices = {p.device.type for b in blocks for p in b.parameters()} - {"cpu", "meta"}
-        if devices:
-            raise V17ConfigError(f"{option}='nvme' of activations on {sorted(devices)} is not built yet (CPU only)")
+        devices = {p.device for b in blocks for p in b.parameters()} - {torch.device("meta")}
+        want = "cpu" if self.tier == Tier.NVME else "cuda"
+        if any(d.type != want for d in devices) or (want == "cuda" and len(devices) != 1):
+            raise V17ConfigError(
+                f"{option}={self.tier.value!r} offloads activations of blocks on {want} (one device); these are on "
+                f"{sorted(map(str, devices))}: use {option}='nvme' for CPU blocks, 'cpu' for blocks on one CUDA device"
+            )
         self.blocks, self.min_bytes, self.resident_blocks = blocks, int(min_bytes), int(resident_blocks)
-        self.files = NvmeFileSet(path, rank=rank)
-        self.io: TierIO
-        self.io, why = open_io(self.files.folder)
-        log.info("activation offload: %s I/O (%s)", self.io.name, why)
+        self.device_type = want
+        self.files: NvmeFileSet | None = None
+        self.io: TierIO | None = None
+        self.copies: CudaCopies | None = None
+        if self.tier == Tier.NVME:
+            self.files = NvmeFileSet(path, rank=rank)
+            self.io, why = open_io(self.files.folder)
+            log.info("activation offload: %s I/O (%s)", self.io.name, why)
+            #: read-back buffers: the block being differentiated and the one read ahead (prefetch depth 1, + 1)
+            self.pool = BlockPool(2)
+        else:
+            self.copies = CudaCopies(next(iter(devices)))
+            #: pinned buffers holding the offloaded blocks between forward and backward (+ 1: the next pass's first
+            #: block may start before the last one's buffer is reclaimed)
+            self.pool = BlockPool(max(len(blocks) - self.resident_blocks, 0) + 1, alloc=pinned)
         #: bytes/tensors offloaded (each file once), saved bytes kept in memory, saves shared with a file already
         #: written, reads issued one block ahead / on demand, reads already finished when their tensor was needed
         self.stats: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
@@ -304,6 +329,7 @@ class ActivationOffload:
         self._pass_id, self._last_index = 0, None
         self._last_seg: _Segment | None = None
         self._names = 0
+        self._end_queued = False
         self._handles: list[Any] = []
         self._forwards: list[tuple[nn.Module, Any]] = []
         try:
@@ -338,12 +364,17 @@ class ActivationOffload:
         while self._stack:
             self._stack.pop()[2].__exit__(None, None, None)
         try:
-            if hasattr(self, "io"):
+            if getattr(self, "io", None) is not None:
                 self.io.close()
+            if getattr(self, "copies", None) is not None:
+                self.copies.synchronize()
         finally:
             self._pending.clear()
             self._live.clear()
-            self.files.close()
+            if getattr(self, "pool", None) is not None:
+                self.pool.close()
+            if getattr(self, "files", None) is not None:
+                self.files.close()
 
     def flush(self) -> None:
         """Wait for every write in flight and release its source (e.g. before measuring memory)."""
@@ -362,6 +393,7 @@ class ActivationOffload:
         if self._last_index is None or index <= self._last_index:  # a new forward (another micro-batch, step)
             self._pass_id += 1
             self._last_seg = None
+            self.pool.idle()
         ptrs = {_storage_ptr(t) for t in _tensors(module)}
         resident = index >= len(self.blocks) - self.resident_blocks
         seg = _Segment(index, self._pass_id, resident, self._last_seg, ptrs)
@@ -375,10 +407,12 @@ class ActivationOffload:
             return
         _, seg, hooks = self._stack.pop()
         hooks.__exit__(None, None, None)
+        self.pool.size = max(self.pool.size, seg.nbytes)  # the "cpu" tier's next pass fits each block in one buffer
+        seg.host = None  # its entries hold their slices; the buffer is back once they are read back or dropped
         self._reap(older_than=seg)  # one block at a time: the blocks before this one are written now
 
     def _offloadable(self, t: torch.Tensor, seg: _Segment) -> bool:
-        if seg.resident or type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided:
+        if seg.resident or type(t) is not torch.Tensor or t.device.type != self.device_type or t.layout != torch.strided:
             return False
         if t.is_quantized or t.numel() * t.element_size() < self.min_bytes:
             return False
@@ -392,6 +426,15 @@ class ActivationOffload:
         # detached alias shares its storage and version counter; autograd re-attaches the history on unpack.
         t = t.detach()
         if self._offloadable(t, seg):
+            if self.copies is not None and torch.cuda.is_current_stream_capturing():
+                # No side-stream copy inside a CUDA graph capture: the graph records the copy, the event waits and
+                # the device addresses of this one pass; a replay then reads and writes memory the caching allocator
+                # has handed to other tensors since, and gradients come out silently wrong (the hazard torchtitan
+                # and Megatron-LM hit combining offload with CUDA graphs, NVIDIA/Megatron-LM#7474). It stays on the
+                # device, counted in ``kept_capturing``.
+                self.stats["kept_capturing"] += 1
+                self.stats["bytes_kept"] += t.numel() * t.element_size()
+                return _Kept(seg, t)
             return self._pack(seg, t)
         self.stats["bytes_kept"] += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
         return _Kept(seg, t)
@@ -411,15 +454,33 @@ class ActivationOffload:
             return _View(e, tuple(t.shape), t.stride())
         self._names += 1
         seg.count += 1
-        e = _Entry(self, seg, key, t, self.files.path(f"p{seg.pass_id}-b{seg.index}-{seg.count}-{self._names}.act"))
+        seg.nbytes += aligned(nbytes)
+        name = f"p{seg.pass_id}-b{seg.index}-{seg.count}-{self._names}.act"
+        e = _Entry(self, seg, key, t, self.files.path(name) if self.files is not None else None)
         src = t.as_strided((t.numel(),), (1,), t.storage_offset()) if e.dense else t.contiguous()
-        e.write = self.io.write(e.path, src)
+        if self.copies is None:
+            e.write = self.io.write(e.path, src)
+        else:  # ``t`` (as ``e.src``) and ``src`` (by the copy) are held until the copy's event completes (_reap)
+            e.host = self._host_slice(seg, nbytes)
+            e.write = self.copies.to_host(src.view(-1).view(torch.uint8), e.host)
         seg.entries.append(_weak(e))
         self._live[key] = e
         self._pending.append(e)
         self.stats["tensors_offloaded"] += 1
         self.stats["bytes_offloaded"] += e.nbytes
         return e
+
+    def _host_slice(self, seg: _Segment, nbytes: int) -> torch.Tensor:
+        """The "cpu" tier: ``nbytes`` of pinned memory in the segment's pooled buffer (sized by the largest block
+        of the passes before), or a buffer of its own when it does not fit (the first pass)."""
+        if seg.host is None and self.pool.size:
+            seg.host, seg.cursor = self.pool.take(self.pool.size), 0
+        if seg.host is not None and seg.cursor + nbytes <= seg.host.numel():
+            out = seg.host[seg.cursor : seg.cursor + nbytes]
+            seg.cursor += aligned(nbytes)
+            return out
+        self.pool.misses += 1
+        return pinned(nbytes)
 
     def _reap(self, older_than: _Segment | None = None) -> None:
         """Release the sources of finished writes of the blocks whose forward is over (waiting for those of the
@@ -459,24 +520,42 @@ class ActivationOffload:
         if seg.used:
             return
         seg.used = True
+        if not self._end_queued and torch._C._current_graph_task_id() != -1:
+            # at the end of this backward the read-back buffers are idle: their pages leave now, not after the
+            # optimizer step and the next forward's first block (FSDP's end-of-backward callback)
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         if not self.closed:
             self._reap()
             self._prefetch(seg, ahead=False)
             if seg.prev is not None:
                 self._prefetch(seg.prev, ahead=True)
 
+    def _backward_done(self) -> None:
+        self._end_queued = False
+        self.pool.idle()
+
     def _prefetch(self, seg: _Segment, *, ahead: bool) -> None:
         if seg.reads_issued:
             return
         seg.reads_issued = True
-        for ref in seg.entries:
-            e = ref()
-            if e is not None and e.read is None and e.value is None:
-                self._read(e, ahead=ahead)
+        todo = [e for e in (ref() for ref in seg.entries) if e is not None and e.read is None and e.value is None]
+        if not todo:
+            return
+        buf, at = None, 0
+        if self.copies is None:  # one pooled buffer for the block's reads, each at an aligned offset
+            buf = self.pool.take(sum(aligned(e.nbytes) for e in todo))
+        for e in todo:
+            self._read(e, ahead=ahead, into=None if buf is None else buf[at : at + e.nbytes])
+            at += aligned(e.nbytes)
 
-    def _read(self, e: _Entry, *, ahead: bool) -> None:
-        after = (e.write,) if not e.write.done() else ()
-        e.read = self.io.read_into(e.path, host_buffer(e.nbytes), after=after)
+    def _read(self, e: _Entry, *, ahead: bool, into: torch.Tensor | None = None) -> None:
+        if self.copies is not None:  # same side stream as the copy out: ordered after it
+            e.read = self.copies.to_device(e.host)
+            e.host = None  # a refill of its buffer is queued on that stream after this copy
+        else:
+            after = (e.write,) if not e.write.done() else ()
+            e.read = self.io.read_into(e.path, host_buffer(e.nbytes) if into is None else into, after=after)
         self.stats["reads_ahead" if ahead else "reads_on_demand"] += 1
 
 
