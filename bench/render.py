@@ -226,6 +226,28 @@ def _cp(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     return lines, [("context parallelism, ratios", list(ratios.items()), [])]
 
 
+def _deepspeed_ckpt(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    """``bench/deepspeed_ckpt.py``: V17's online DeepSpeed import against the universal-checkpoint route."""
+    res, model = report.get("results", {}), report.get("model", {})
+    lines = [(f"Raw DeepSpeed saves on {report.get('world_size')} gloo ranks, the reference Llama "
+              + ", ".join(f"{k}={v}" for k, v in model.items())
+              + "; seconds (ranks: the slowest rank's; in-process: the median of the repeats)."), ""]  # fmt: skip
+    what = {"num_params": "parameters", "state_bytes": "fp32 master + Adam moments, bytes",
+            "read_s": "ours: `read_deepspeed_checkpoint`",
+            "v17_restore_s": "ours: restore in `trainer.fit(ckpt_path=save_dir)` (2 ranks)",
+            "ds_to_universal_s": "`ds_to_universal` in process", "ds_to_universal_cli_s": "`ds_to_universal` CLI",
+            "universal_load_s": "DeepSpeed engine loads the universal checkpoint (2 ranks)",
+            "universal_route_s": "universal route (in-process conversion + load)"}  # fmt: skip
+    rows = [[label, *(r.get(key) for r in res.values())] for key, label in what.items()]
+    lines += _table(["", *(f"`{n}`" for n in res)], rows)
+    ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
+    lines += ["", *_table(["ratio (ours / DeepSpeed's)", "value"], [[f"`{k}`", v] for k, v in ratios.items()])]
+    if "meets_targets" in report:
+        lines += ["", f"Target: {report.get('targets')}. Met in this run: {_num(report['meets_targets'])}."]
+    bars = [(k, 1 / v) for k, v in ratios.items() if v]
+    return lines, [("time, DeepSpeed's / ours", bars, [])]
+
+
 def _generic(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
     lines = _table(["ratio", "value"], [[f"`{k}`", v] for k, v in ratios.items()]) if ratios else []
@@ -242,6 +264,8 @@ RENDERERS: dict[str, tuple[str, Callable[[Report], tuple[list[str], list[tuple[s
     "activations": ("Saved activations against the planner", _activations),
     "moe": ("Mixture of experts: grouped experts, expert parallelism and the two dispatchers", _moe),
     "cp": ("Context parallelism: Ulysses and all-gathered K/V against dp on half the sequence", _cp),
+    "deepspeed_ckpt": ("DeepSpeed checkpoint import: online load against the universal-checkpoint route",
+                       _deepspeed_ckpt),
 }
 
 

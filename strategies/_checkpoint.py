@@ -162,13 +162,38 @@ def load_deepspeed(strategy: V17Strategy, path: Path, *, weights_only: bool | No
     from lightning_v17.checkpoint.deepspeed import read_deepspeed_checkpoint
     from lightning_v17.checkpoint.deepspeed_convert import fill_app_state, trainer_state_from_deepspeed
 
-    # every file is read and checked before anything is set: a refused or partial checkpoint leaves the model as is
-    ds = read_deepspeed_checkpoint(path, weights_only=weights_only)
+    # every file is read and checked before anything is set: a refused or partial checkpoint leaves the model as is;
+    # mapped, so each rank reads from disk little more than the shards it keeps (fill_app_state copies them)
+    ds = read_deepspeed_checkpoint(path, weights_only=weights_only, mmap=True)
     assert strategy.model is not None
     app_state = state_engine.get_state_dicts(strategy.model, strategy.optimizers, backend=strategy.zero)
     fill_app_state(app_state, ds)
     state_engine.set_state_dicts(strategy.model, strategy.optimizers, app_state, backend=strategy.zero)
+    _carry_loss_scale(strategy, ds)
     return trainer_state_from_deepspeed(ds, lightning_version=_lightning_version())
+
+
+def _carry_loss_scale(strategy: V17Strategy, ds: Any) -> None:
+    """DeepSpeed's fp16 loss scale into the strategy's loss scaler (``loss_scale_from_deepspeed``), or a warning
+    that it is not used; nothing for fp32/bf16 saves. Runs after ``on_fit_start``, so it also reaches the scaler a
+    ``DynamicLossScaling`` callback configured."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    from lightning_v17.checkpoint.deepspeed_convert import loss_scale_from_deepspeed
+    from lightning_v17.engine.precision import ShardedLossScaler
+
+    scale = loss_scale_from_deepspeed(ds)
+    if scale is None:
+        return
+    scaler = getattr(strategy.precision_plugin, "scaler", None)
+    if isinstance(scaler, ShardedLossScaler):
+        scaler.tracker.scale = scale
+        rank_zero_warn(f"V17Strategy: resuming at DeepSpeed's fp16 loss scale {scale:g} from {ds.source}; its growth "
+                       "window and hysteresis counters restart from the loss-scale policy")  # fmt: skip
+    else:
+        precision = strategy.precision_plugin.precision
+        rank_zero_warn(f"V17Strategy: {ds.source} was trained in fp16 (loss scale {scale:g}); precision="
+                       f"{precision!r} does not scale the loss, so the scale is not used")  # fmt: skip
 
 
 def _lightning_version() -> str:

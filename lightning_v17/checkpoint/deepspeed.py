@@ -215,16 +215,16 @@ def _refusal(path: Path, detail: str) -> str:
     )
 
 
-def _load(path: Path, *, weights_only: bool | None, safe_globals: Iterable[Any]) -> Any:
+def _load(path: Path, *, weights_only: bool | None, safe_globals: Iterable[Any], mmap: bool = False) -> Any:
     """``torch.load`` of one DeepSpeed file on CPU, refusing what is not allow-listed; a truncated or unreadable file
-    raises :class:`CheckpointCorruptError` naming it."""
+    raises :class:`CheckpointCorruptError` naming it. ``mmap``: map the tensor data instead of reading it."""
     if not path.is_file():
         raise CheckpointCorruptError(f"{path}: missing")
     try:
         if weights_only is not None and not weights_only:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
         with torch.serialization.safe_globals([*DEEPSPEED_SAFE_GLOBALS, *safe_globals]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpointError(_refusal(path, _weights_only_detail(err))) from err
     except (RuntimeError, EOFError, OSError, ValueError) as err:
@@ -257,8 +257,9 @@ def _cat_pieces(pieces: dict[str, dict[str, list[torch.Tensor]]], shapes: dict[s
         shape = torch.Size(shapes[name])
         out[name] = {}
         for key, parts in by_key.items():
-            # detached: DeepSpeed saves its flat fp32 groups as parameters (requires_grad)
-            flat = (torch.cat(parts) if len(parts) > 1 else parts[0].clone()).detach()
+            # a parameter in one fragment stays a view of the loaded partition (no copy; with mmap, not even read
+            # until touched); detached: DeepSpeed saves its flat fp32 groups as parameters (requires_grad)
+            flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).detach()
             if flat.numel() != _numel(shape):
                 raise CheckpointCorruptError(
                     f"{where}: the fragments of {name!r} state {key!r} hold {flat.numel()} elements over all ranks, "
@@ -349,6 +350,7 @@ def read_deepspeed_checkpoint(
     tag: str | None = None,
     weights_only: bool | None = None,
     safe_globals: Iterable[Any] = (),
+    mmap: bool = False,
 ) -> DeepSpeedState:
     """Read a DeepSpeed ZeRO checkpoint into full tensors, in this process, without deepspeed.
 
@@ -358,6 +360,10 @@ def read_deepspeed_checkpoint(
         weights_only: ``None``/``True``: restricted unpickling with :data:`DEEPSPEED_SAFE_GLOBALS` as inert
             stand-ins; ``False``: full pickle (trusted files only; it imports deepspeed to rebuild its classes).
         safe_globals: further classes to admit, for a trusted checkpoint whose client_state holds them.
+        mmap: map the files' tensor data (``torch.load(mmap=True)``) instead of reading it: a tensor's bytes are
+            read from disk when it is first touched, so a caller that keeps only its shards reads little more than
+            them (the online load does, and copies what it keeps). The tensors then must not outlive the files:
+            copy them before the checkpoint is overwritten.
 
     Returns:
         a :class:`DeepSpeedState`; every file is read and checked before it returns, so a refused or partial
@@ -369,7 +375,7 @@ def read_deepspeed_checkpoint(
     """
     tag_dir = find_deepspeed_tag_dir(path, tag)
     files = sorted(p.name for p in tag_dir.iterdir())
-    load = {"weights_only": weights_only, "safe_globals": tuple(safe_globals)}
+    load = {"weights_only": weights_only, "safe_globals": tuple(safe_globals), "mmap": mmap}
     if any(n.startswith("layer_") for n in files) or any(_MODEL_RE.match(n) and n != "mp_rank_00_model_states.pt"
                                                          for n in files):  # fmt: skip
         raise CheckpointCorruptError(

@@ -30,6 +30,7 @@ __all__ = [
     "convert_deepspeed",
     "convert_deepspeed_main",
     "fill_app_state",
+    "loss_scale_from_deepspeed",
     "match_names",
     "trainer_state_from_deepspeed",
 ]
@@ -83,6 +84,8 @@ def _cut_like(template: Any, full: torch.Tensor, what: str) -> Any:
             )
     if isinstance(template, DTensor):
         full = full.to(dtype=template.dtype, device=template.device_mesh.device_type)
+        # this rank's chunk, a view of ``full`` (with mmap=True, of the mapped file): set_state_dicts copies it into the
+        # model's and optimizer's own storage (tests/dist/test_deepspeed_ckpt.py checks that no state aliases it)
         return distribute_tensor(full, template.device_mesh, template.placements, src_data_rank=None)
     # a copy: DeepSpeed keeps one step per flat group, and optimizers step each parameter's own counter in place
     return full.to(dtype=template.dtype, device=template.device, copy=True)
@@ -157,6 +160,25 @@ def fill_app_state(app_state: dict[str, Any], ds: DeepSpeedState) -> None:
             app_state["optim"] = new_optims[0]
         else:
             app_state["optim"] = {min(optim): new_optims[0]}
+
+
+def loss_scale_from_deepspeed(ds: DeepSpeedState) -> float | None:
+    """The fp16 loss scale a DeepSpeed save carries over to V17's loss scaler, or None when it scaled nothing.
+
+    Every optimizer file pickles DeepSpeed's scaler (``ds.loss_scaler``). fp32 and bf16 runs hold a static
+    ``LossScaler`` with ``cur_scale=1.0``, ``dynamic=False`` (DeepSpeed creates one "for backwards compatibility"
+    and scales nothing): the equivalent of V17's fp32/bf16 precision, which has no scaler, so nothing carries over.
+    An fp16 run holds a ``DynamicLossScaler`` (``dynamic=True``, ``cur_scale`` the scale it had reached) or a static
+    scale other than 1: that scale is returned. DeepSpeed's growth window and hysteresis counters are not mapped
+    (``DynamicLossScaler`` grows ``scale_window`` steps after the step *following* an overflow and keeps a spent
+    hysteresis until it grows, :class:`~lightning_v17.trackers.LossScaleTracker` counts both from the last change),
+    so they restart from the V17 policy.
+    """
+    scale = ds.loss_scaler.get("cur_scale")
+    if scale is None:
+        return None
+    dynamic = bool(ds.loss_scaler.get("dynamic") or ds.loss_scaler.get("dynamic_loss_scale"))
+    return float(scale) if dynamic or float(scale) != 1.0 else None
 
 
 def trainer_state_from_deepspeed(ds: DeepSpeedState, *, lightning_version: str) -> dict[str, Any]:

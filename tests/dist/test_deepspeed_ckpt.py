@@ -1,16 +1,21 @@
 """Reading DeepSpeed checkpoints, against DeepSpeed itself, on CPU gloo ranks.
 
 The inputs are real: raw DeepSpeed (``deepspeed.initialize``, CPU accelerator, gloo, torch AdamW, gradient clipping
-1.0) trains a small MLP for 4 steps at ZeRO-1/2/3 (fp32) and ZeRO-2/3 (bf16) on 2 ranks, and at ZeRO-1/3 on 1 rank,
-and saves with ``engine.save_checkpoint``; the 2-rank ZeRO-2 run then continues 4 more steps as the reference.
-Lightning's own ``DeepSpeedStrategy`` (its CUDA-only guards lifted in a subclass, nothing else changed) writes a
-checkpoint with Lightning's client state. DeepSpeed's universal-checkpoint conversion (``ds_to_universal
+1.0) trains a small 3-layer MLP for 4 steps at ZeRO-1/2/3 (fp32) and ZeRO-2/3 (bf16) on 2 ranks, and at ZeRO-1/3
+on 1 rank, and saves with ``engine.save_checkpoint``; the 2-rank ZeRO-2 run then continues 4 more steps as the
+reference. Lightning's own ``DeepSpeedStrategy`` (its CUDA-only guards lifted in a subclass, nothing else changed)
+writes a checkpoint with Lightning's client state. DeepSpeed's universal-checkpoint conversion (``ds_to_universal
 --inject_missing_state``) of every save is the reader's reference.
 
 Tolerances: the reader equals ds_to_universal bitwise. V17 at ZeRO-3 and ZeRO-1 on 2 ranks, resumed from the ZeRO-2
 save, matches DeepSpeed's continued losses and final weights within 1e-6 absolute (measured: losses equal, weights
-3e-8). V17 at ZeRO-1 on 1 rank, on both DeepSpeed ranks' batches at once, matches within 1e-5 relative (the fp32
-summation order of the doubled batch differs from the all-reduce's; measured 8e-8).
+3e-8). V17 at tp=2 on 2 ranks (dp=1; the middle Linear pair column/row-sharded, the full fp32 master weights and
+Adam moments cut onto those DTensor placements, clipping on) sees both DeepSpeed ranks' batches at once and matches
+within 1e-6 relative on the losses and 1e-6 absolute on the gathered final weights (measured 1.2e-7, 3e-8). V17 at
+ZeRO-1 on 1 rank, on both DeepSpeed ranks' batches at once, matches within 1e-5 relative (the fp32
+summation order of the doubled batch differs from the all-reduce's; measured 8e-8). The loaded optimizer state owns
+its memory (the load maps the DeepSpeed files). DeepSpeed refuses fp16 on CPU, so the fp16 loss-scale mapping is
+checked on DeepSpeed's own scaler objects, pickled by the DeepSpeed worker as its optimizer files pickle them.
 """
 
 from __future__ import annotations
@@ -44,8 +49,14 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mlp() -> torch.nn.Module:
-    # 66 parameters in 4 tensors of odd sizes: stage 1/2 pad the flat group, stage 3 pads every parameter
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    # 133 parameters: stage 1/2 pad the flat group, stage 3 pads the odd-sized tensors (35, 7, 3 elements), and the
+    # middle pair is even-sized, so TP_PLAN shards it (a DTensor chunking of 7 rows is uneven, which TP refuses)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 8), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 3))  # fmt: skip
+
+
+PARAMS = sorted(f"{i}.{k}" for i in (0, 2, 4) for k in ("bias", "weight"))
+TP_PLAN = {"model.2": "colwise", "model.4": "rowwise"}  # Megatron's MLP pair (Shoeybi 2019 §3)
 
 
 def _rank_batch(step: int, rank: int) -> list[int]:
@@ -144,6 +155,14 @@ def _deepspeed_worker(rank: int, world: int, root: str) -> dict:
             out["final"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     if world == 2:
         _lightning_deepspeed_run(root)
+    if world == 2 and rank == 0:  # DeepSpeed's fp16 scaler objects (no fp16 save runs on CPU), as its files pickle them
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+        scalers = {"dynamic": DynamicLossScaler(init_scale=2.0**12, scale_window=100, min_scale=1, delayed_shift=2,
+                                                consecutive_hysteresis=False),
+                   "static128": LossScaler(scale=128), "static1": LossScaler()}  # fmt: skip
+        for key, scaler in scalers.items():
+            torch.save({"loss_scaler": scaler, "dynamic_loss_scale": scaler.dynamic}, Path(root) / f"scaler_{key}.pt")
     if rank == 0:  # DeepSpeed's own conversion of every save, the reader's reference
         from deepspeed.checkpoint import ds_to_universal
 
@@ -213,12 +232,14 @@ def _read(root: Path, name: str):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_reader_equals_ds_to_universal_bitwise(ds_root, name: str) -> None:
+    from lightning_v17.checkpoint.deepspeed import read_deepspeed_checkpoint
+
     root, _ = ds_root
     ours = _read(root, name)
     ref = _universal(root, name)
     stage, bf16, dp = CONFIGS[name]
     assert (ours.saved_stage, ours.dp_world_size, ours.bf16) == (stage, dp, bf16)
-    assert sorted(ref) == sorted(ours.fp32) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert sorted(ref) == sorted(ours.fp32) == PARAMS
     for p, states in ref.items():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             mine = ours.fp32[p] if key == "fp32" else ours.optim[p][key]
@@ -229,11 +250,73 @@ def test_reader_equals_ds_to_universal_bitwise(ds_root, name: str) -> None:
         assert ours.optim[p]["step"].item() == N_SAVE
     assert ours.weights["0.weight"].dtype == (torch.bfloat16 if bf16 else torch.float32)
     assert ours.global_steps == N_SAVE and ours.param_groups[0]["lr"] == 1e-2
+    # fp32 and bf16 runs pickle a static LossScaler that scales nothing: V17's fp32/bf16 (no scaler), nothing to map
+    from lightning_v17.checkpoint.deepspeed_convert import loss_scale_from_deepspeed
+
+    assert ours.loss_scaler == {"cur_scale": 1.0, "dynamic": False, "dynamic_loss_scale": False, "overflow": False}
+    assert loss_scale_from_deepspeed(ours) is None
+    # mmap=True (the online load's): the same tensors, as views of the mapped partitions where a parameter lies in
+    # one fragment (the V17 loads must copy them: _aliased_state)
+    allow = [argparse.Namespace] if name == "z1" else []
+    mapped = read_deepspeed_checkpoint(root / name, safe_globals=allow, mmap=True)
+    views = 0
+    for p in ref:
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = mapped.optim[p][key]
+            assert torch.equal(t, ours.optim[p][key]), (name, p, key)
+            views += t.untyped_storage().nbytes() > t.numel() * t.element_size()
+    assert views > 0 or dp == 2 and stage == 3  # at stage 3 on 2 ranks every parameter is cat from 2 pieces
+
+
+def test_deepspeed_fp16_loss_scale_reaches_the_v17_scaler(ds_root) -> None:
+    """DeepSpeed refuses fp16 on CPU, so no fp16 save exists here; DeepSpeed's own scaler objects (the classes its
+    fp16 optimizer files pickle, saved by the DeepSpeed worker) go through the allow-listed loader, and their scale
+    into V17's loss scaler."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning_v17.strategies._checkpoint import _carry_loss_scale
+
+    from lightning_v17 import V17Strategy
+    from lightning_v17.checkpoint.deepspeed import DeepSpeedState, _load
+    from lightning_v17.checkpoint.deepspeed_convert import loss_scale_from_deepspeed
+    from lightning_v17.engine.precision import ShardedLossScaler
+    from lightning_v17.trackers import LossScaleTracker
+
+    root, _ = ds_root
+    scales, states = {}, {}
+    for name in ("dynamic", "static128", "static1"):
+        loaded = _load(root / f"scaler_{name}.pt", weights_only=None, safe_globals=())
+        states[name] = DeepSpeedState(source=root, saved_stage=2, dp_world_size=1, bf16=False, loss_scaler={
+            **vars(loaded["loss_scaler"]), "dynamic_loss_scale": loaded["dynamic_loss_scale"]})  # fmt: skip
+        scales[name] = loss_scale_from_deepspeed(states[name])
+    assert scales == {"dynamic": 4096.0, "static128": 128.0, "static1": None}
+    strategy = V17Strategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=ShardedLossScaler(LossScaleTracker()))
+    with pytest.warns(UserWarning, match=r"DeepSpeed's fp16 loss scale 4096.*counters restart"):
+        _carry_loss_scale(strategy, states["dynamic"])
+    assert strategy.precision_plugin.scaler.get_scale() == 4096.0
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    with pytest.warns(UserWarning, match=r"in fp16 \(loss scale 4096\); precision='bf16-mixed'.*not used"):
+        _carry_loss_scale(strategy, states["dynamic"])
+
+
+def _aliased_state(opt: torch.optim.Optimizer) -> list[str]:
+    """Optimizer state tensors that do not own their memory: views of a bigger buffer (a DeepSpeed flat partition
+    of the checkpoint file the load mapped, which must not outlive the load)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for i, st in enumerate(opt.state.values()):
+        for k, v in st.items():
+            t = v.to_local() if isinstance(v, DTensor) else v
+            if torch.is_tensor(t) and t.dim() > 0 and t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                out.append(f"{i}.{k}")
+    return out
 
 
 def _v17_worker(rank: int, world: int, root: str) -> dict:
     import lightning as L
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader, TensorDataset
 
     from tests._strategy import v17
@@ -251,7 +334,21 @@ def _v17_worker(rank: int, world: int, root: str) -> dict:
         idx = [i for step in range(N_SAVE, N_SAVE + N_MORE) for i in _rank_batch(step, rank)]
         trainer.fit(module, DataLoader(TensorDataset(x[idx], y[idx]), batch_size=B), ckpt_path=str(Path(root) / ckpt))
         full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        out[run] = {"losses": [s[1] for s in module.seen], "final": {k: v.detach().clone() for k, v in full.items()}}
+        out[run] = {"losses": [s[1] for s in module.seen], "final": {k: v.detach().clone() for k, v in full.items()},
+                    "aliased": _aliased_state(trainer.optimizers[0])}  # fmt: skip
+    # raw DeepSpeed ZeRO-2 -> V17 tp=2 (dp=1): both ranks hold shards of model.2/model.4 and see the same batch, both
+    # DeepSpeed ranks' batches at once (its gradient is the mean of theirs, as DeepSpeed's all-reduce averages)
+    L.seed_everything(123, verbose=False)
+    module = _module_class()(scheduler=False)
+    trainer = L.Trainer(strategy=v17(tp=2, tp_plan=TP_PLAN), max_steps=N_MORE, use_distributed_sampler=False, **common)
+    idx = [i for step in range(N_SAVE, N_SAVE + N_MORE) for r in (0, 1) for i in _rank_batch(step, r)]
+    trainer.fit(module, DataLoader(TensorDataset(x[idx], y[idx]), batch_size=2 * B), ckpt_path=str(Path(root) / "z2"))
+    opt = trainer.optimizers[0]
+    layouts = {n: (str(p.placements), p.to_local().shape, str(opt.state[p]["exp_avg"].placements))
+               for n, p in module.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    out["tp2"] = {"losses": [s[1] for s in module.seen], "final": {k: v.detach().clone() for k, v in full.items()},
+                  "layouts": layouts, "zero_stage": trainer.strategy.zero.stage}  # fmt: skip
     # Lightning's DeepSpeedStrategy checkpoint: epoch, global step, data position and scheduler resume
     L.seed_everything(123, verbose=False)
     module = _module_class()()
@@ -270,7 +367,7 @@ def _v17_worker(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_v17_resumes_deepspeed_zero2_at_zero3_and_zero1(ds_root) -> None:
+def test_v17_resumes_deepspeed_zero2_at_zero3_zero1_and_tp2(ds_root) -> None:
     root, res = ds_root
     from lightning_v17.checkpoint.deepspeed_convert import convert_deepspeed
 
@@ -281,6 +378,7 @@ def test_v17_resumes_deepspeed_zero2_at_zero3_and_zero1(ds_root) -> None:
         ds = res["rank"][rank]
         for stage in (3, 1, "converted"):
             got = v17_ranks[rank][stage]
+            assert got["aliased"] == [], (rank, stage, got["aliased"])
             diff = max(abs(a - b) for a, b in zip(got["losses"], ds["losses"]))
             assert len(got["losses"]) == N_MORE and diff <= TOL, (rank, stage, got["losses"], ds["losses"])
             worst["loss"] = max(worst["loss"], diff)
@@ -289,8 +387,23 @@ def test_v17_resumes_deepspeed_zero2_at_zero3_and_zero1(ds_root) -> None:
                 assert w <= TOL, (rank, stage, k, w)
                 worst["weight"] = max(worst["weight"], w)
     print(
-        f"V17 ZeRO-3/ZeRO-1 (and from the converted save) resumed from DeepSpeed ZeRO-2, max abs difference over {N_MORE} steps: {worst}"
+        f"V17 ZeRO-3/ZeRO-1 (and from the converted save) resumed from DeepSpeed ZeRO-2, max abs difference over "
+        f"{N_MORE} steps: {worst}"
     )
+    # tp=2: the loss of both DeepSpeed ranks' batches is the mean of their losses
+    ref = [(a + b) / 2 for a, b in zip(res["rank"][0]["losses"], res["rank"][1]["losses"])]
+    for rank in range(2):
+        got = v17_ranks[rank]["tp2"]
+        print(f"V17 tp=2 (zero_stage={got['zero_stage']}) rank {rank} layouts {got['layouts']}")
+        lay = got["layouts"]  # the tp axis is the mesh's last (ZeRO-3's dp_shard axis has size 1 here)
+        assert lay["model.2.weight"][0].endswith("Shard(dim=0))") and lay["model.2.weight"][1] == (4, 7), lay
+        assert lay["model.4.weight"][0].endswith("Shard(dim=1))") and lay["model.4.weight"][1] == (3, 4), lay
+        assert all(param == moment for param, _, moment in lay.values()), lay  # exp_avg on the weights' placements
+        assert len(got["losses"]) == N_MORE
+        diff = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref))
+        w = max((got["final"][f"model.{k}"] - v).abs().max().item() for k, v in res["rank"][0]["final"].items())
+        print(f"V17 tp=2 rank {rank} from DeepSpeed ZeRO-2: max relative loss difference {diff:.2e}, weights {w:.2e}")
+        assert diff <= TOL and w <= TOL, (rank, got["losses"], ref, w)
     lit = v17_ranks[0]["lightning"]
     # Lightning saved after its 4 steps (epoch=1 in its dict: a stop at max_steps counts the epoch as started);
     # the resume continues at batch 4 of that epoch, global step 4, with StepLR(3, 0.5) already stepped 4 times
@@ -342,7 +455,7 @@ def test_lightning_deepspeed_client_state_is_read(ds_root) -> None:
     ds = read_deepspeed_checkpoint(root / "lightning_z2")
     assert ds.written_by_lightning and ds.source.name == "checkpoint"
     assert ds.client_state["global_step"] == N_SAVE
-    assert sorted(ds.fp32) == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight"]
+    assert sorted(ds.fp32) == [f"model.{n}" for n in PARAMS]
     assert ds.client_state["lr_schedulers"][0]["last_epoch"] == N_SAVE
 
 
