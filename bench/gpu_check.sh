@@ -8,6 +8,8 @@
 # Activation offload tier 'cpu': tests/gpu/test_activation_offload_gpu.py checks bit-identical grads and puts
 # act_offload_cpu_overhead (step time vs no offload, equal batch, target <= 1.05) and act_offload_cpu_seq_ratio
 # (longest seq within a fixed memory budget vs no offload, target >= 1.5) into "measured".
+# MoE: tests/gpu/test_moe_gpu.py puts moe_loop_over_grouped_* (grouped experts vs HF's per-expert eager loop, 8
+# experts, top-2, bf16, forward + backward, target >= 3) into "measured".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
