@@ -12,6 +12,10 @@ The step's loss is then this rank's token mean. :meth:`ContextSteps.scale_loss` 
 rows' token mean: it multiplies by ``cp x (this rank's target tokens) / (the cp group's)``, and the gradient
 average over dp_shard x cp (ZeRO's group under cp) divides by cp again. What the module logs from its step is its
 rank's own token mean (``sync_dist=True`` averages them).
+
+Under pp the schedule runs the step: the strategy hands it this scale as part of its loss scale
+(``_pipeline.training_step``), and the pipeline runtime cuts the batch's context to each micro-batch's rows
+(``CPContext.split_rows``) around every stage action on that micro-batch.
 """
 
 from __future__ import annotations
@@ -53,6 +57,13 @@ def prepare_context_parallel_model(strategy: Any, model: nn.Module, cp: int) -> 
     if cp == 1:
         return
     hf_models = _hf_models(model)
+    pp = strategy.policy.pipeline.size
+    if hf_models and pp > 1:
+        raise V17ConfigError(
+            f"cp={cp} with pp={pp} on a Hugging Face model ({type(hf_models[0]).__name__}) is not implemented: the "
+            "pipeline's loss shifts the labels inside each rank's sequence shard; use the reference "
+            "lightning_v17.models.Llama with cp and pp, or pp=1 for this model"
+        )
     for hf in hf_models:
         _wire_hf(strategy, hf)
     strategy._cp_hf = bool(hf_models)  # batch_to_device shifts the labels on the full rows for them

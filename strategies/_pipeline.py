@@ -100,6 +100,8 @@ def training_step(strategy: V17Strategy, args: tuple, kwargs: dict) -> Tensor:
     scale = loss_scale(strategy)
     if trainer.accumulate_grad_batches > 1:
         scale = (1.0 if scale is None else scale) / trainer.accumulate_grad_batches
+    if strategy._cp_scale is not None:  # cp: the rows' token mean from this rank's (ContextSteps.scale_loss)
+        scale = strategy._cp_scale if scale is None else scale * strategy._cp_scale
     with strategy.precision_plugin.train_step_context():
         loss = pipeline_step(runtime, batch, grad_sync=strategy.zero, loss_scale=scale)
     call._call_callback_hooks(trainer, "on_after_backward")

@@ -208,8 +208,7 @@ RULES: tuple[Rule, ...] = (
     ),
     *(
         _axes_not_together("cp", axis, what)
-        for axis, what in (("pp", "the pipeline schedule's micro-batches are not split along the sequence"),
-                           ("ep", "the cp ranks would need the MoE dispatch over their shared batch"),
+        for axis, what in (("ep", "the cp ranks would need the MoE dispatch over their shared batch"),
                            ("dp_replicate", "ZeRO over dp_shard x cp is one flat group; HSDP beside it is planned"))
     ),
     Rule(

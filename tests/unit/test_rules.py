@@ -51,6 +51,8 @@ def test_a_valid_layout_violates_nothing() -> None:
     assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), pp=2, tp=2)) == []
     assert violations(Layout(TrainingPolicy(), pp=1, tp=1)) == []
     assert violations(Layout(TrainingPolicy(), pp=1, tp=2, cp=2)) == []  # cp x tp composes (tests/dist/test_cp_tp.py)
+    # cp inside pipeline stages composes (tests/dist/test_cp_pp.py)
+    assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), pp=2, cp=2)) == []
 
 
 def test_rule_names_are_unique() -> None:

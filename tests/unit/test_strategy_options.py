@@ -226,8 +226,8 @@ def test_cp_takes_its_size_or_its_policy_and_refuses_what_is_not_built():
         CPPolicy(size=2, mode="ring")
     with pytest.raises(V17ConfigError, match="cp.balance"):
         CPPolicy(balance="zigzag")
-    with pytest.raises(V17ConfigError, match="cp=2 with pp=2 is not implemented yet"):
-        _strategy(cp=2, pp=2, zero_stage=1)
+    with pytest.raises(V17ConfigError, match="cp=2 with ep=2 is not implemented yet"):
+        _strategy(cp=2, ep=2, zero_stage=1)
     msgs = _warnings(lambda: _strategy(cp=CPPolicy(mode="ulysses")))
     assert msgs == ["V17Strategy: cp.mode='ulysses' applies only with cp > 1; it is ignored here"], msgs
 

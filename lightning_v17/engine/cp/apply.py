@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,17 @@ class CPContext:
             cached = cu_seqlens_from_segment_ids(self.segment_ids)
             object.__setattr__(self, "_cu", cached)
         return cached
+
+    def split_rows(self, n: int, *, rows: int | None = None) -> list[CPContext]:
+        """This batch's context for each of ``n`` micro-batches of its rows: ``segment_ids`` padded to ``rows`` rows
+        with copies of row 0 (as the pipeline pads a short batch) and cut with ``torch.tensor_split`` on dim 0, as
+        ``torch.distributed.pipelining`` cuts its inputs. The layout is the batch's (every row is sharded alike)."""
+        seg = self.segment_ids
+        if seg is None:
+            return [self] * n
+        if rows is not None and rows > seg.shape[0]:
+            seg = torch.cat([seg, seg[:1].expand(rows - seg.shape[0], *seg.shape[1:])])
+        return [dataclasses.replace(self, segment_ids=part) for part in seg.tensor_split(n)]
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_fn: AttentionFn | None = None,

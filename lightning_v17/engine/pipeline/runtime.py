@@ -171,6 +171,10 @@ class PipelineLoss:
         self._weight: torch.Tensor | None = None
         self._normalizer: torch.Tensor | float = 1.0
         self._rows = 0
+        #: weigh each micro-batch mean of ``loss_fn`` by its share of the batch's target tokens instead of its rows
+        #: (under cp, where each rank's rows hold different numbers of this rank's tokens)
+        self.token_shares = False
+        self._row_weight: torch.Tensor | None = None
 
     def prepare(self, batch: Any, parts: dict[str, Any], *, rows: int, padded_rows: int, shift: bool) -> None:
         """Hold one step's batch: ``batch`` as given (for ``loss_fn``), ``parts`` its dict form (``labels``,
@@ -186,6 +190,7 @@ class PipelineLoss:
         if mask is not None:
             weight = weight * mask.to(torch.float32)
         self._normalizer = weight.sum().clamp_min(1.0)
+        self._row_weight = weight.sum(1)
         self._labels = _pad_rows(labels, padded_rows, -100)
         self._weight = None if mask is None else _pad_rows(weight, padded_rows, 0.0)
 
@@ -208,7 +213,8 @@ class PipelineLoss:
             else:
                 part = logits if real == n else logits[:real]
                 mean = self.loss_fn(part, _slice_rows(self._batch, start, start + real, self._rows))
-                out = mean * (real / self._rows)
+                share = self._row_weight[start : start + real].sum() / self._normalizer if self.token_shares else None
+                out = mean * (real / self._rows if share is None else share)
         if not (isinstance(self.scale, float) and self.scale == 1.0):
             out = out * self.scale
         t1 = time.perf_counter()
@@ -246,6 +252,9 @@ class PipelineRuntime:
     #: (re)inferred its shapes; see :func:`_padded_rows`
     shapes: dict[bool, tuple[int, int]] = field(default_factory=dict)
     last_train: bool | None = None
+    #: under cp, the step's context cut to each micro-batch's rows (``CPContext.split_rows``): every stage action on
+    #: micro-batch i (forward, backward, the activation recompute inside it) runs with ``cp_contexts[i]`` current
+    cp_contexts: list[Any] | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -345,9 +354,7 @@ def build_schedule(
     local = stages if info.multi_stage_runtime else stages[0]  # ZB-H1: one stage, in the multi-stage runtime
     schedule = cls(local, n_microbatches=m, loss_fn=loss, scale_grads=False)
     timer = BubbleTimer()
-    for st in stages:
-        timer.wrap_stage(st)
-    return PipelineRuntime(
+    runtime = PipelineRuntime(
         schedule=schedule,
         stages=stages,
         stage_modules=list(stage_modules),
@@ -364,6 +371,29 @@ def build_schedule(
         shift_labels=bool(layout.shift_labels if shift_labels is None and layout is not None else shift_labels),
         stage_kwargs=tuple(layout.stage_kwargs) if layout is not None else ("position_ids",),
     )
+    for st in stages:
+        _with_microbatch_context(st, runtime)
+        timer.wrap_stage(st)
+    return runtime
+
+
+def _with_microbatch_context(stage: Any, runtime: PipelineRuntime) -> None:
+    """Run each of ``stage``'s actions on micro-batch i under ``runtime.cp_contexts[i]`` (when set): the attention of
+    a micro-batch must see that micro-batch's documents, in its forward and in a recompute during its backward."""
+    from lightning_v17.engine.cp import use_cp_context
+
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        fn = getattr(stage, name)
+
+        def run(*args: Any, _orig: Any = fn, **kwargs: Any) -> Any:
+            contexts = runtime.cp_contexts
+            if contexts is None:
+                return _orig(*args, **kwargs)
+            chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
+            with use_cp_context(contexts[int(chunk)]):
+                return _orig(*args, **kwargs)
+
+        setattr(stage, name, run)
 
 
 def _padded_rows(runtime: PipelineRuntime, rows: int, seq: int, *, train: bool) -> int:
@@ -432,6 +462,7 @@ class _StepInputs:
     kwargs: dict[str, Any]
     target: torch.Tensor
     train: bool
+    cp: list[Any] | None = None
 
 
 def _prepare(runtime: PipelineRuntime, batch: Any, *, train: bool, loss_scale: Any = None) -> _StepInputs:
@@ -443,15 +474,21 @@ def _prepare(runtime: PipelineRuntime, batch: Any, *, train: bool, loss_scale: A
     runtime.last_train = train
     runtime.loss_fn.prepare(batch, parts, rows=rows, padded_rows=padded, shift=runtime.shift_labels)
     runtime.loss_fn.scale = 1.0 if loss_scale is None or not train else loss_scale
+    from lightning_v17.engine.cp import current_cp_context
+
+    ctx = current_cp_context()  # cp: the batch is already sharded on dim 1; each micro-batch gets its rows' documents
+    runtime.loss_fn.token_shares = ctx is not None
+    cp = None if ctx is None else ctx.split_rows(runtime.policy.microbatches, rows=padded)
     args = (_pad_rows(parts["input_ids"], padded),) if runtime.has_first_stage else ()
     # Per-row model inputs (position_ids: the models derive document boundaries from it) go to every stage as
     # kwargs: the schedule splits them into micro-batches along dim 0 and hands each stage its slice.
     kwargs = {k: _pad_rows(parts[k], padded) for k in runtime.stage_kwargs if parts.get(k) is not None}
     # The target is the row index: the schedule splits it like the inputs, and the loss reads its rows of the batch.
-    return _StepInputs(args=args, kwargs=kwargs, target=torch.arange(padded), train=train)
+    return _StepInputs(args=args, kwargs=kwargs, target=torch.arange(padded), train=train, cp=cp)
 
 
 def _run(runtime: PipelineRuntime, inputs: _StepInputs) -> torch.Tensor:
+    from lightning_v17.engine.cp import use_cp_context
     from lightning_v17.engine.tp.apply import loss_parallel_context
 
     loss_fn = runtime.loss_fn
@@ -459,7 +496,10 @@ def _run(runtime: PipelineRuntime, inputs: _StepInputs) -> torch.Tensor:
     timer = runtime.timer
     busy0, loss0 = timer.busy_s, loss_fn.busy_s
     t0 = time.perf_counter()
-    with loss_parallel_context(runtime.loss_parallel):
+    runtime.cp_contexts = inputs.cp
+    # the schedule's first call infers the stages' shapes by running micro-batch 0 outside the stage actions
+    first = use_cp_context(inputs.cp[0]) if inputs.cp else contextlib.nullcontext()
+    with loss_parallel_context(runtime.loss_parallel), first:
         if inputs.train:
             runtime.schedule.step(
                 *inputs.args, target=inputs.target, losses=losses, return_outputs=False, **inputs.kwargs
