@@ -42,17 +42,22 @@ def test_package_import_stays_torch_free():
     )
 
 
-def test_cli_takes_the_alias_by_name():
+def test_cli_and_the_offload_recipe_take_the_aliases_by_name():
     """What `v17 fit --trainer.strategy v17_zero2` builds: the CLI's Trainer holds a V17Strategy at stage 2 (built
-    without running fit; the process imports only lightning_v17.trainer_cli, as the `v17` entry point does)."""
+    without running fit; the process imports lightning_v17.trainer_cli first, as the `v17` entry point does). Then,
+    in the same interpreter, `v17_zero3_offload`: ZeRO-3 with the CPU parameter tier (FSDP2's CPUOffloadPolicy; its
+    parity is in tests/dist/test_zero_parity.py). One interpreter for both: each costs a torch + Lightning import."""
     code = (
         "from lightning_v17.trainer_cli import V17CLI; from lightning_v17.models.lightning import LlamaLM; "
         "from lightning_v17.data.datamodule import PackedDataModule; "
         "cli = V17CLI(LlamaLM, PackedDataModule, run=False, args=['--config', 'configs/tiny-cpu.yaml', "
         "'--trainer.strategy', 'v17_zero2', '--trainer.logger', 'false', '--trainer.callbacks', '[]']); "
-        "s = cli.trainer.strategy; print(type(s).__name__, s.zero_stage)"
+        "s = cli.trainer.strategy; "
+        "import lightning as L; t = L.Trainer(strategy='v17_zero3_offload', accelerator='cpu', devices=1, "
+        "logger=False); o = t.strategy; "
+        "print(type(s).__name__, s.zero_stage, '|', o.zero_stage, o.policy.offload.params.value)"
     )
-    assert _py(code) == "V17Strategy 2"
+    assert _py(code) == "V17Strategy 2 | 3 cpu"
 
 
 def test_v17_fit_trains_with_the_alias_by_name(tmp_path):
@@ -67,13 +72,3 @@ def test_v17_fit_trains_with_the_alias_by_name(tmp_path):
     out = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out.stdout + out.stderr
-
-
-def test_offload_recipe_alias():
-    """`v17_zero3_offload`: ZeRO-3 with the CPU parameter tier (FSDP2's CPUOffloadPolicy; its parity is in
-    tests/dist/test_zero_parity.py)."""
-    code = (
-        "import lightning_v17, lightning as L; t = L.Trainer(strategy='v17_zero3_offload', accelerator='cpu', "
-        "devices=1, logger=False); s = t.strategy; print(s.zero_stage, s.policy.offload.params.value)"
-    )
-    assert _py(code) == "3 cpu"
