@@ -157,6 +157,30 @@ class ActivationOffload:
     def hides(self) -> bool:
         return self.exposed_s_per_step == 0.0
 
+    def warning(self) -> str:
+        """The plan's warning when the transfers do not hide: the numbers and the fixes."""
+        return (
+            f"activation offload to {self.tier.value}: one block's {self.bytes_per_block / 1e9:.2f} GB take "
+            f"{self.transfer_s_per_block * 1e3:.1f} ms each way at {self.bandwidth_bytes_per_s / 1e9:.0f} GB/s, "
+            f"against {self.forward_s_per_block * 1e3:.1f} ms of forward and {self.backward_s_per_block * 1e3:.1f} "
+            f"ms of backward: {self.exposed_s_per_step:.2f} s per step do not hide; offload fewer blocks (raise "
+            "resident_blocks), use the faster tier, or recompute instead"
+        )
+
+
+def check_activation_offload_plan(tier: Tier, *, pp: int, has_shape: bool) -> None:
+    """Refuse what the planner cannot count, or V17Strategy would not build (the rules table's
+    ``activation_offload_without_pp``), naming the option and the fix."""
+    from lightning_v17.config import V17ConfigError
+
+    if not has_shape:
+        raise V17ConfigError("offload_activations needs the model's shape (the blocks' activations): give --model "
+                             "or the shape flags, or drop --offload-activations")
+    if pp > 1:
+        raise V17ConfigError(f"offload_activations={Tier.parse(tier).value!r} with pp={pp} is not built (the schedule "
+                             "interleaves micro-batches; the offload streams one block order); use pp=1 or "
+                             "offload_activations='none'")
+
 
 def activation_offload_bytes(bytes_per_block: int, *, layers: int, resident_blocks: int) -> tuple[int, int]:
     """(offloaded, device) activation bytes per micro-batch when the blocks' saved tensors go to another tier.
@@ -232,6 +256,7 @@ __all__ = [
     "activation_offload",
     "activation_offload_bytes",
     "activation_transfer_bytes_per_s",
+    "check_activation_offload_plan",
     "offload_traffic_bytes",
     "offload_transfer_s",
     "tier_bytes",

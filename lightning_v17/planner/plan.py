@@ -350,13 +350,7 @@ def _validate(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
     if layout.seq % layout.cp != 0:
         raise V17ConfigError(f"cp={layout.cp} must divide seq={layout.seq}")
     if layout.offload_activations != Tier.NONE:
-        if shape is None:
-            raise V17ConfigError("offload_activations needs the model's shape (the blocks' activations): give --model "
-                                 "or the shape flags, or drop --offload-activations")
-        if layout.pp > 1:  # the rules table's activation_offload_without_pp: V17Strategy refuses it
-            raise V17ConfigError(f"offload_activations={layout.offload_activations.value!r} with pp={layout.pp} is "
-                                 "not built (the schedule interleaves micro-batches; the offload streams one block "
-                                 "order); use pp=1 or offload_activations='none'")
+        off.check_activation_offload_plan(layout.offload_activations, pp=layout.pp, has_shape=shape is not None)
 
 
 def _cheapest_recompute(model: ModelSpec, layout: Layout, memory_bytes: int) -> Recompute:
@@ -518,14 +512,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         fp8=lay.fp8, ep=lay.ep,
     )  # fmt: skip
     if act_offload is not None and not act_offload.hides:
-        a = act_offload
-        warnings.append(
-            f"activation offload to {a.tier.value}: one block's {a.bytes_per_block / 1e9:.2f} GB take "
-            f"{a.transfer_s_per_block * 1e3:.1f} ms each way at {a.bandwidth_bytes_per_s / 1e9:.0f} GB/s, against "
-            f"{a.forward_s_per_block * 1e3:.1f} ms of forward and {a.backward_s_per_block * 1e3:.1f} ms of backward: "
-            f"{a.exposed_s_per_step:.2f} s per step do not hide; offload fewer blocks (raise resident_blocks), use "
-            f"the faster tier, or recompute instead"
-        )
+        warnings.append(act_offload.warning())
     if moe is not None:
         traffic_line = moe_.traffic_warning(dispatch_s, compute_s=compute_s, shape=shape, ep=lay.ep, gpus_per_node=gpn)
         warnings += [traffic_line] if traffic_line else []
