@@ -1,5 +1,5 @@
 """Data: packing (bin packing, cu_seqlens, position reset, loss masks), the data module, the stdlib corpus, tokenizer,
-Megatron token files (``.bin/.idx``) and ``v17 preprocess``.
+Megatron token files (``.bin/.idx``), Hugging Face ``datasets`` Arrow columns and ``v17 preprocess``.
 
 Everything but the tokenizer is imported lazily (on first use of its name).
 """
@@ -20,6 +20,7 @@ _LAZY = {
     "PackedDataModule": "lightning_v17.data.datamodule",
     "DocumentSource": "lightning_v17.data.datamodule",
     "StdlibCorpus": "lightning_v17.data.corpus",
+    "ArrowTokens": "lightning_v17.data.hf_arrow",
     "length_stats": "lightning_v17.data.corpus",
     "IndexedReader": "lightning_v17.data.indexed",
     "IndexedWriter": "lightning_v17.data.indexed",
@@ -32,6 +33,7 @@ _LAZY = {
 __all__ = [
     "IGNORE_INDEX",
     "PAD_DOC_ID",
+    "ArrowTokens",
     "ByteTokenizer",
     "DocumentSource",
     "IndexedReader",

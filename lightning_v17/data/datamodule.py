@@ -185,7 +185,10 @@ class PackedDataModule(L.LightningDataModule):
 
     Args:
         dataset: training documents: a map-style or iterable dataset of token-id sequences, of texts (with
-            ``tokenizer``), or of dicts ``{"input_ids": ..., "loss_mask": ...}``. None: the stdlib corpus.
+            ``tokenizer``), or of dicts ``{"input_ids": ..., "loss_mask": ...}``; a Hugging Face ``datasets.Dataset``
+            with an integer ``input_ids`` column, or the directory it was ``save_to_disk``-ed to, is read in place
+            from its Arrow buffers (:class:`~lightning_v17.data.hf_arrow.ArrowTokens`: no row is converted to
+            Python; other columns such as ``loss_mask`` are not read). None: the stdlib corpus.
         val_dataset: validation documents, same forms; None: the stdlib corpus's validation split when ``dataset``
             is None too, else no validation.
         tokenizer: text -> ids, used when items are text (default: byte-level).
@@ -209,7 +212,9 @@ class PackedDataModule(L.LightningDataModule):
         val_fraction: stdlib corpus: fraction of documents held out for validation.
         corpus_cache_dir: stdlib corpus: cache directory (default ``~/.cache/lightning_v17``).
         paths: token files (``.bin/.idx`` prefixes, e.g. from ``v17 preprocess``) to train on instead of
-            ``dataset``: blended by ``weights``, cut every ``seq_len`` tokens behind the lazy index of
+            ``dataset``; an entry may also be a Hugging Face ``save_to_disk`` directory (or, from Python, a
+            ``datasets.Dataset``) with an integer ``input_ids`` column, blended like a token file of the same
+            documents. Blended by ``weights``, cut every ``seq_len`` tokens behind the lazy index of
             :class:`~lightning_v17.data.blend.BlendedTokens` (``packing`` must be ``concat``, the default with
             ``paths``; ``ffd`` plans over a single path's lengths instead).
         weights: one sampling weight per path (normalized); None: in proportion to their sizes, every sample of
@@ -254,13 +259,11 @@ class PackedDataModule(L.LightningDataModule):
         if paths is not None and not self.concat:
             if len(paths) != 1 or weights is not None:
                 raise ValueError(f"packing={packing!r} plans one dataset; blended data.paths use packing='concat'")
-            from lightning_v17.data.indexed import TokenFileDataset
-
-            dataset, paths = TokenFileDataset(paths[0]), None
+            dataset, paths = _one_dataset(paths[0]), None
             if val_paths is not None:  # ffd plans one validation file the same way
                 if len(val_paths) != 1:
                     raise ValueError(f"packing={packing!r} plans one validation file; got data.val_paths={val_paths}")
-                val_dataset, val_paths = TokenFileDataset(val_paths[0]), None
+                val_dataset, val_paths = _one_dataset(val_paths[0]), None
         if self.concat and paths is None:
             raise ValueError("packing='concat' cuts token files: give data.paths")
         self.paths, self.weights, self.num_samples = paths, weights, num_samples
@@ -273,8 +276,11 @@ class PackedDataModule(L.LightningDataModule):
             raise ValueError(f"num_workers={num_workers} must be >= 0")
         if prefetch_batches < 0:
             raise ValueError(f"prefetch_batches={prefetch_batches} must be >= 0 (0: no prefetch thread)")
-        self.dataset = dataset
-        self.val_dataset = val_dataset
+        from lightning_v17.data.hf_arrow import ArrowTokens, is_arrow_input
+
+        # A Hugging Face Dataset (or its save_to_disk directory) is read in place: lengths from its offsets.
+        self.dataset = ArrowTokens(dataset) if is_arrow_input(dataset) else dataset
+        self.val_dataset = ArrowTokens(val_dataset) if is_arrow_input(val_dataset) else val_dataset
         self.tokenizer = tokenizer or ByteTokenizer()
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -487,6 +493,14 @@ class PackedDataModule(L.LightningDataModule):
         if self.train_sampler is not None:
             self._restore(state_dict)
             self._pending_state = None
+
+
+def _one_dataset(path: Any) -> Any:
+    """The documents of one ``data.paths`` entry for a planned packing: a token file or a Hugging Face dataset."""
+    from lightning_v17.data.hf_arrow import ArrowTokens, is_arrow_input
+    from lightning_v17.data.indexed import TokenFileDataset
+
+    return ArrowTokens(path) if is_arrow_input(path) else TokenFileDataset(path)
 
 
 _CONTEXT_ATTRS = ("max_seq_len", "max_position_embeddings", "block_size")

@@ -296,13 +296,25 @@ class RowBatch(Sequence):
     Args:
         grid: ``input_ids``, ``position_ids``, ``labels`` and ``doc_ids`` as ``[B, S]`` int64 arrays.
         starts: ``[B, S]`` bool, True where a segment (a document chunk, or the padding) starts; True at column 0.
+        bounds: instead of ``starts``: the segment starts of the flattened ``B*S`` tokens plus ``B*S`` (sorted,
+            every row start included), i.e. the batch's ``cu_seqlens``.
+        max_seqlen: the longest segment, when the caller has it (else computed from ``bounds``).
     """
 
-    def __init__(self, grid: Mapping[str, Any], starts: Any) -> None:
-        self.grid, self.starts = dict(grid), starts
+    def __init__(self, grid: Mapping[str, Any], starts: Any = None, *, bounds: Any = None,
+                 max_seqlen: int | None = None) -> None:  # fmt: skip
+        import numpy as np
+
+        self.grid = dict(grid)
+        self.rows, self.width = self.grid["input_ids"].shape
+        if (starts is None) == (bounds is None):
+            raise ValueError("RowBatch takes the segment starts either as a bool grid (starts) or as bounds")
+        self.bounds = np.append(np.flatnonzero(np.asarray(starts).ravel()), starts.size) if bounds is None \
+            else np.asarray(bounds)  # fmt: skip
+        self.max_seqlen = int(np.diff(self.bounds).max()) if max_seqlen is None else int(max_seqlen)
 
     def __len__(self) -> int:
-        return int(self.starts.shape[0])
+        return int(self.rows)
 
     def __getitem__(self, r: Any) -> Any:
         import numpy as np
@@ -310,18 +322,18 @@ class RowBatch(Sequence):
         if isinstance(r, slice):
             return [self[i] for i in range(*r.indices(len(self)))]
         row = {k: torch.from_numpy(v[r]) for k, v in self.grid.items()}
-        starts = np.flatnonzero(self.starts[r])
-        row["seqlens"] = np.diff(np.append(starts, self.starts.shape[1])).tolist()
+        lo, hi = np.searchsorted(self.bounds, [r * self.width, (r + 1) * self.width])
+        row["seqlens"] = np.diff(self.bounds[lo : hi + 1]).tolist()
         return row
 
     def collate(self) -> dict[str, Any]:
         """What :func:`collate_rows` makes of these rows, from the grids in one piece."""
         import numpy as np
 
-        batch: dict[str, Any] = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in self.grid.items()}
-        bounds = np.append(np.flatnonzero(self.starts.ravel()), self.starts.size)
-        batch["cu_seqlens"] = torch.from_numpy(bounds.astype(np.int32))
-        batch["max_seqlen"] = int(np.diff(bounds).max())
+        batch: dict[str, Any] = {k: torch.from_numpy(v if v.flags.c_contiguous else np.ascontiguousarray(v))
+                                 for k, v in self.grid.items()}  # fmt: skip
+        batch["cu_seqlens"] = torch.from_numpy(self.bounds.astype(np.int32))
+        batch["max_seqlen"] = self.max_seqlen
         return batch
 
 
@@ -332,7 +344,7 @@ def collate_rows(rows: Sequence[Mapping[str, Any]], *, pad_id: int = 0, pad_to: 
     tokens; ``max_seqlen`` is the longest segment (padding segments included, as attention runs over them too).
     A :class:`RowBatch` of that width is taken in one piece (the same batch).
     """
-    if isinstance(rows, RowBatch) and len(rows) and pad_to in (None, rows.starts.shape[1]):
+    if isinstance(rows, RowBatch) and len(rows) and pad_to in (None, rows.width):
         return rows.collate()
     if not rows:
         raise ValueError("cannot collate an empty batch")

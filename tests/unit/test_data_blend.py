@@ -178,3 +178,68 @@ def test_bad_weights_are_named(tmp_path):
         BlendedTokens([path, path], weights=[1.0])
     with pytest.raises(ValueError, match="must sum to a positive number"):
         BlendedTokens([path], weights=[0.0])
+
+
+@pytest.mark.parametrize("coarse", [2, 3, 7, 1 << 17])
+def test_the_document_search_equals_searchsorted_over_the_pointers(tmp_path, monkeypatch, coarse):
+    from lightning_v17.data import sources
+
+    monkeypatch.setattr(sources, "_COARSE_POINTERS", coarse)  # strides 1 (the whole array) to ~20 pointers per step
+    rng = np.random.default_rng(5)
+    path, _ = _write(tmp_path, "s", [0, 0, *rng.integers(0, 9, 60).tolist(), 0], seed=5)
+    ds = BlendedTokens([path], seq_len=8)
+    source = ds.corpora[0].source
+    starts = np.array(source.reader.sequence_pointers) // 2  # an aligned copy, in tokens: what numpy would search
+    q = np.arange(-1, int(starts[-1]) + 4)
+    np.testing.assert_array_equal(source.count_le(q), np.searchsorted(starts, q, side="right"))
+
+
+def test_sampler_batches_through_a_dataloader_equal_the_rows_one_by_one(tmp_path, monkeypatch):
+    """The batch path as the data module drives it (PositionSampler, DataLoader, __getitems__, collate_rows) over
+    located blocks smaller than an epoch, a coarse document search, 3 ranks, two epochs and a resume after a
+    mixture change that re-indexes from its position: every batch equals collate_rows of __getitem__'s rows."""
+    import pickle
+
+    from torch.utils.data import DataLoader
+
+    from lightning_v17.data import blend, sources
+    from lightning_v17.data.packing import collate_rows
+
+    monkeypatch.setattr(blend, "_LOCATE_BLOCK", 5)
+    monkeypatch.setattr(sources, "_COARSE_POINTERS", 3)
+    a, _ = _write(tmp_path, "da", [0, 5, 40, 0, 0, 3, 100, 1, 0, 17, 60, 0], seed=1)
+    b, _ = _write(tmp_path, "db", [33, 0, 2, 2, 2, 90, 0], seed=2)
+
+    def check(ds, sampler, label):
+        loader = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=collate_rows)
+        idx = iter(DataLoader(range(10**9), batch_size=4, sampler=sampler))  # the same positions, as a list
+        n = 0
+        for batch, positions in zip(loader, idx, strict=True):
+            ref = collate_rows([ds[int(i)] for i in positions])
+            assert batch.keys() == ref.keys()
+            for key in ("input_ids", "position_ids", "labels", "doc_ids", "cu_seqlens"):
+                torch.testing.assert_close(batch[key], ref[key], rtol=0, atol=0, msg=f"{label}: {key} at {positions}")
+            assert batch["max_seqlen"] == ref["max_seqlen"]
+            n += 1
+        assert n >= 2, label
+
+    ds = BlendedTokens([a, b], weights=[0.6, 0.4], seq_len=16, seed=4)
+    for rank in range(3):
+        sampler = PositionSampler(len(ds), num_replicas=3, rank=rank, drop_last=False)
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            check(ds, sampler, f"rank {rank} epoch {epoch}")
+    # A resume under reordered paths keeps no earlier phase: positions start at the saved one, mid-block.
+    moved = BlendedTokens([b, a], weights=[0.5, 0.5], seq_len=16, seed=4)
+    moved.load_index_state(ds.index_state(), position=7, mixture_change=True)
+    sampler = PositionSampler(len(moved), num_replicas=2, rank=1, drop_last=False)
+    sampler.load_state_dict({**sampler.state_dict(), "consumed": 7})
+    check(moved, sampler, "after the mixture change")
+    with pytest.raises(IndexError, match="precede this run's resume point"):
+        moved.__getitems__(range(5, 9))
+    # DataLoader workers get the index without the per-process caches, and the same batches
+    clone = pickle.loads(pickle.dumps(ds))
+    assert not {"_locate_cache", "_arange_cache"} & set(vars(clone))
+    assert ds.corpora[0].source.__getstate__() == {"path": a}  # re-opened from its path, never the maps copied
+    torch.testing.assert_close(collate_rows(clone.__getitems__(range(3, 30, 3)))["labels"],
+                               collate_rows(ds.__getitems__(range(3, 30, 3)))["labels"], rtol=0, atol=0)  # fmt: skip
