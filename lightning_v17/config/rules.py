@@ -201,10 +201,19 @@ RULES: tuple[Rule, ...] = (
         fix="use loss_parallel with pp=1, or drop it",
         example={"pp": 2, "zero_stage": 1, "tp": {"size": 2, "loss_parallel": True}},
     ),
-    *(
-        _axes_not_together("ep", axis, f"the experts are sharded over ep inside the data-parallel ranks; {what}")
-        for axis, what in (("pp", "MoE blocks inside pipeline stages are planned"),
-                           ("tp", "attention tensor-parallel beside expert-parallel experts is planned"))
+    Rule(
+        # ep x tp (tests/dist/test_ep_tp.py) runs each tp rank's MoE on the whole replicated sequence; under sequence
+        # parallelism a tp rank holds a slice of each sequence, and the per-sequence capacity and balance loss, the
+        # router's and the experts' gradients (partial over tp) would all need the sequence gathered first
+        name="ep_without_sequence_parallel",
+        options=("ep", "sequence_parallel"),
+        violated=lambda lay: lay.ep > 1 and lay.tp > 1 and lay.policy.tensor_parallel.sequence_parallel,
+        message=lambda lay: (
+            f"ep={lay.ep} with tp={lay.tp} and sequence_parallel=True is not implemented yet: the MoE layers route "
+            "whole sequences (per-sequence capacity and balance loss), and a tp rank holds a slice of each"
+        ),
+        fix="use ep with sequence_parallel=False, or ep=1",
+        example={"ep": 2, "zero_stage": 1, "tp": {"size": 2, "sequence_parallel": True}},
     ),
     *(
         _axes_not_together("cp", axis, what)

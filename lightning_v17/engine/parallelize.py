@@ -218,7 +218,7 @@ def sync_replicas(module: nn.Module, *, mesh: MeshRuntime, backend: ZeroBackend)
 
     * ``dp_replicate`` (HSDP) at stage 3, the whole ``dp`` group at stages 0-2 (DDP's ``_sync_module_states``);
     * ``tp`` for what TP leaves replicated (norms, unsharded embeddings, plain tensors outside the plan);
-    * ``edp`` for the experts sharded over ``ep`` (each ep rank holds other experts).
+    * ``edp`` (and ``tp``) for the experts sharded over ``ep`` (each ep rank holds other experts).
 
     Ranks that drew different random initial weights (a different seed per rank, or RNG streams that diverged
     before ``fit``) then hold one model; without it HSDP replicas would train apart for the whole run.
@@ -232,6 +232,8 @@ def sync_replicas(module: nn.Module, *, mesh: MeshRuntime, backend: ZeroBackend)
     axes = [(dp_axis, tensors), ("tp", [t for t in tensors if not _tp_sharded(t)])]
     if experts and mesh.spec.edp > 1:
         axes.append(("edp", experts))
+    if experts:  # ep x tp: every tp rank holds (and runs) the same experts
+        axes.append(("tp", experts))
     for axis, group_tensors in axes:
         if mesh[axis].size() > 1 and group_tensors:
             # _broadcast_coalesced takes the source as a rank *within* the group (its first rank is 0 there).

@@ -176,6 +176,7 @@ class MoE(nn.Module):
         return (rank < capacity).view(b * s, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._replicated_local(x)
         b, s, h = x.shape
         k, e = self.experts_per_token, self.num_experts
         flat = x.reshape(b * s, h)
@@ -201,6 +202,24 @@ class MoE(nn.Module):
             self.expert_load += load
         self.aux_loss = self._aux(logits, scores, group, b, s)
         return out.view(b, s, h)
+
+    @staticmethod
+    def _replicated_local(x: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism the block hands its MLP a ``Replicate()`` DTensor on ``tp`` (the column-parallel
+        projections' input): the MoE routes and runs it as the plain tensor it is on every tp rank (the router and the
+        experts are not tp-sharded). ``to_local``'s backward hands the gradient back as ``Replicate()``: each tp rank
+        computes the same full gradient, nothing is summed over tp. A sequence-sharded input (sequence parallelism)
+        is refused: each tp rank would route a different slice of every sequence."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(x, DTensor):
+            return x
+        if not all(p.is_replicate() for p in x.placements):
+            raise ValueError(
+                f"the MoE layer got a {x.placements} DTensor on {x.device_mesh.mesh_dim_names}; it routes whole "
+                "sequences: leave it replicated over tp (sequence_parallel=False with ep)"
+            )
+        return x.to_local()
 
     def _aux(self, logits: torch.Tensor, scores: torch.Tensor, group: torch.Tensor, b: int, s: int) -> torch.Tensor:
         """``aux_loss_coef * mean_seq sum_e f_e P_e`` (DeepSeek-V3 eqs. 17-20) plus ``z_loss_coef * mean_t lse^2``

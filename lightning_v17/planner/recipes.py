@@ -95,7 +95,7 @@ def recommend(
 
     EP branch: when the routed experts hold more than half of the parameters and some ``ep > 1`` divides both the
     world size and the experts, the experts' bytes decide what fits, and ep divides them: FSDP FULL_SHARD (ZeRO-3)
-    over every rank, tp = pp = 1 (V17Strategy refuses ep with tp or pp, rules ``ep_without_tp``/``ep_without_pp``),
+    over every rank, tp = pp = 1 (ep composes with tp and pp, but the tree keeps MoE layouts data-parallel),
     and ep = :func:`~lightning_v17.planner.moe.recommend_ep`, the largest divisor of the data-parallel size that
     divides the experts (every rank keeps >= 1 whole expert).
 

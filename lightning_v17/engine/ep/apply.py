@@ -68,7 +68,9 @@ class ExpertGradSync:
     """Reduce the experts' gradients once per optimizer step: SUM over ``edp``, divided by ``dp``.
 
     Post-accumulate-grad hooks on the expert weights; while :attr:`require_grad_sync` is False (accumulation
-    micro-steps) the gradients only accumulate.
+    micro-steps, and every micro-batch of a pipeline schedule) the gradients only accumulate, and are reduced either
+    by the next synchronising backward's hook (Lightning's last accumulation micro-step) or by
+    :meth:`finish_grad_sync` (the pipeline's one reduction after its last micro-batch), never twice.
     """
 
     params: list[nn.Parameter]
@@ -76,6 +78,7 @@ class ExpertGradSync:
     dp: int
     require_grad_sync: bool = True
     _hooks: list[Any] = field(default_factory=list)
+    _pending: set[int] = field(default_factory=set)  # ids of the weights whose gradient accumulated unreduced
 
     def __post_init__(self) -> None:
         self.edp = dist.get_world_size(self.edp_group) if self.edp_group is not None else 1
@@ -87,12 +90,28 @@ class ExpertGradSync:
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.require_grad_sync or p.grad is None:
+        if p.grad is None:
             return
+        if not self.require_grad_sync:
+            self._pending.add(id(p))
+            return
+        self._pending.discard(id(p))
+        self._reduce(p)
+
+    def _reduce(self, p: torch.Tensor) -> None:
         g = _local(p.grad)
         if self.edp > 1:
             dist.all_reduce(g, group=self.edp_group)
         g.div_(self.dp)
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Reduce the gradients that accumulated while :attr:`require_grad_sync` was False (in parameter order, the
+        same on every edp rank: they hold the same experts and ran the same micro-batches)."""
+        pending, self._pending = self._pending, set()
+        for p in self.params:
+            if id(p) in pending and p.grad is not None:
+                self._reduce(p)
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -149,9 +149,11 @@ class ZeroBackend:
             self.expert_sync.require_grad_sync = value
 
     def finish_grad_sync(self) -> None:
-        """Reduce the gradients accumulated while ``require_grad_sync`` was False (stages 0-2)."""
+        """Reduce the gradients accumulated while ``require_grad_sync`` was False (stages 0-2; the experts' too)."""
         if self.engine is not None:
             self.engine.finish_grad_sync()
+        if self.expert_sync is not None:
+            self.expert_sync.finish_grad_sync()
 
     # ------------------------------------------------------------------ optimizer
     def prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer], *, offload: Any = None) -> None:

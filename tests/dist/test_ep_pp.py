@@ -1,0 +1,72 @@
+"""Expert parallelism inside pipeline stages: ``V17Strategy(pp=2, ep=2, zero_stage=1)`` on 4 gloo ranks (each stage
+on a dp = 2 pair whose ep group dispatches its MoE tokens), the MoE LlamaLM (``tiny-moe``, 2 MoE blocks: one per
+stage, 2 micro-batches per step) against one process on the concatenated batch, 5 steps:
+
+* plain SGD and AdamW with gradient clipping that clips at every step: losses and every final parameter (each
+  stage's, the ep-sharded experts gathered whole) within 1e-5 of one process;
+* the unclipped global gradient norm of every step (the stages' gathered full gradients) and the norm the strategy's
+  clipping computed equal one process's: each micro-batch's expert gradient accumulates unreduced and is divided by
+  dp once, after the schedule (a division per micro-batch, or none, is off by a factor here);
+* the aux-loss-free expert bias (loads summed over the stage's dp ranks) equals one process's bit for bit.
+
+The balance losses are off: under pp the schedule's loss is the last stage's cross-entropy, and V17Strategy refuses
+a MoE model with ``aux_loss_coef``/``z_loss_coef`` there (``tests/dist/test_ep_pp.py::test_pp_refuses_balance_losses``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._dist import spawn
+from tests.dist.test_ep_tp import CLIP, OPTIMIZERS, STEPS, TOL, _fit
+
+OVERRIDES = {"layers": 2, "dense_layers": 0}
+STRATEGY = {"pp": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}
+
+
+def _worker(rank: int, world: int) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from tests._strategy import v17
+
+    # ranks = pp x dp_shard (dp innermost): stage 0 on ranks 0, 1, stage 1 on ranks 2, 3
+    return {name: _fit(name, world, v17(**STRATEGY), overrides=OVERRIDES, dp_axis_stride=1, stage_ranks=(0, 2))
+            for name in OPTIMIZERS}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return spawn(_worker, world_size=4, timeout=400, init_process_group=False)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    return {name: _fit(name, 1, "auto", overrides=OVERRIDES) for name in OPTIMIZERS}
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_ep2_inside_pp2_matches_one_process(results, references, opt_name) -> None:
+    ref = references[opt_name]
+    if OPTIMIZERS[opt_name] is not None:
+        assert min(ref["norms"]) > 2 * CLIP, ref["norms"]
+    params: dict[str, torch.Tensor] = {}
+    for rank, got in enumerate(results):
+        got = got[opt_name]
+        stage = rank // 2
+        assert got["experts"] == [f"layers.{stage}.feed_forward.experts.down_proj",
+                                  f"layers.{stage}.feed_forward.experts.gate_up_proj"], (rank, got["experts"])
+        assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL), (rank, got["losses"], ref["losses"])
+        assert got["norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["norms"], ref["norms"])
+        if OPTIMIZERS[opt_name] is not None:
+            assert got["clip_norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["clip_norms"])
+        for name, p in got["params"].items():
+            torch.testing.assert_close(p, ref["params"][name], rtol=TOL, atol=TOL, msg=f"rank {rank} {name}")
+            params[name] = p
+    assert params.keys() == ref["params"].keys()  # the two stages hold the whole model between them
