@@ -41,7 +41,7 @@ from torch import nn
 from lightning_v17.config import FP8Recipe, Recompute, Tier, TrainingPolicy, V17ConfigError
 from lightning_v17.config.rules import check as check_rules
 from lightning_v17.engine._dtensor import local as _local
-from lightning_v17.engine.ep.apply import ExpertParallel, apply_expert_parallel, is_expert_param
+from lightning_v17.engine.ep.apply import ExpertParallel, apply_expert_parallel, check_pipeline_moe, is_expert_param
 from lightning_v17.engine.fp8.convert import FP8Runtime, apply_fp8, float8_tp_plan
 from lightning_v17.engine.recompute import apply_activation_checkpointing
 from lightning_v17.engine.zero import fsdp as fsdp_engine
@@ -310,6 +310,7 @@ def parallelize(
         )
 
     pipeline = None
+    check_pipeline_moe(module, pp=spec.pp)  # MoE balance terms the pipeline would drop or miscount
     if spec.pp > 1:  # 1. cut the model into this rank's stages (in place; FQNs kept)
         from lightning_v17.engine.pipeline.runtime import build_schedule, split_model
 

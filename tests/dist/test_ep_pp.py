@@ -7,10 +7,11 @@ stage, 2 micro-batches per step) against one process on the concatenated batch, 
 * the unclipped global gradient norm of every step (the stages' gathered full gradients) and the norm the strategy's
   clipping computed equal one process's: each micro-batch's expert gradient accumulates unreduced and is divided by
   dp once, after the schedule (a division per micro-batch, or none, is off by a factor here);
-* the aux-loss-free expert bias (loads summed over the stage's dp ranks) equals one process's bit for bit.
+* tp is absent here, dp rank 1 starts from other random weights and trains the same model.
 
-The balance losses are off: under pp the schedule's loss is the last stage's cross-entropy, and V17Strategy refuses
-a MoE model with ``aux_loss_coef``/``z_loss_coef`` there (``tests/dist/test_ep_pp.py::test_pp_refuses_balance_losses``).
+The balance terms are off: under pp the schedule's loss is the last stage's cross-entropy (the balance losses would be
+dropped) and torch's shape inference runs one extra forward on the first step (the expert-bias load would count it),
+so the engine refuses ``aux_loss_coef``/``z_loss_coef``/``expert_bias_rate`` there (``test_pp_refuses_balance_losses``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from tests._dist import spawn
-from tests.dist.test_ep_tp import CLIP, OPTIMIZERS, STEPS, TOL, _fit
+from tests.dist.test_ep_tp import CLIP, OPTIMIZERS, TOL, _fit
 
 OVERRIDES = {"layers": 2, "dense_layers": 0}
 STRATEGY = {"pp": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}
@@ -70,3 +71,18 @@ def test_ep2_inside_pp2_matches_one_process(results, references, opt_name) -> No
             torch.testing.assert_close(p, ref["params"][name], rtol=TOL, atol=TOL, msg=f"rank {rank} {name}")
             params[name] = p
     assert params.keys() == ref["params"].keys()  # the two stages hold the whole model between them
+
+
+@pytest.mark.parametrize("term", ["aux_loss_coef", "z_loss_coef", "expert_bias_rate"])
+def test_pp_refuses_balance_losses(term) -> None:
+    """What the pipeline cannot honour in MoE layers is refused before the model is cut, naming the option."""
+    from lightning_v17.config import V17ConfigError
+    from lightning_v17.engine.ep import check_pipeline_moe
+    from lightning_v17.models import Llama
+    from lightning_v17.models.config import ModelConfig
+
+    model = Llama(ModelConfig.from_preset("tiny-moe", layers=2, **{term: 0.01}))
+    check_pipeline_moe(model, pp=1)  # without a pipeline every term is honoured
+    with pytest.raises(V17ConfigError, match=rf"pp=2 with {term}=0.01 in the MoE layer layers.1.feed_forward"):
+        check_pipeline_moe(model, pp=2)
+    check_pipeline_moe(Llama(ModelConfig.from_preset("tiny-moe", layers=2)), pp=2)  # the defaults pass

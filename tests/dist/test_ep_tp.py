@@ -32,7 +32,7 @@ OPTIMIZERS = {"sgd": None, "adamw_clip": CLIP}  # name -> gradient_clip_val
 
 
 def _data():
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import Dataset
 
     class Rows(Dataset):
         def __len__(self) -> int:
@@ -65,8 +65,8 @@ def _fit(opt_name: str, devices: int, strategy, *, overrides: dict = OVERRIDES, 
     """Train 5 steps; with ``devices`` > 1 this rank's dp rank is ``RANK // dp_axis_stride % 2`` and, under pp, the
     global gradient norm adds the squared norms of ``stage_ranks`` (one rank per stage)."""
     import lightning as L
-
     import lightning_v17.strategies._precision as precision
+
     from lightning_v17.models import LlamaLM, moe_layers, update_expert_biases
 
     losses, norms, clip_norms, bias_steps = [], [], [], []
@@ -119,7 +119,7 @@ def _fit(opt_name: str, devices: int, strategy, *, overrides: dict = OVERRIDES, 
             gradient_clip_val=OPTIMIZERS[opt_name], use_distributed_sampler=False, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=[Rec()],
         )  # fmt: skip
-        dp_rank = int(os.environ.get("RANK", 0)) // dp_axis_stride % 2  # the Trainer initializes the group in fit
+        dp_rank = int(os.environ.get("RANK", "0")) // dp_axis_stride % 2  # the Trainer initializes the group in fit
         trainer.fit(module, _loader(devices, dp_rank))
     finally:
         precision.clip_grad_norm_ = record

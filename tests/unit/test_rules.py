@@ -53,6 +53,9 @@ def test_a_valid_layout_violates_nothing() -> None:
     assert violations(Layout(TrainingPolicy(), pp=1, tp=2, cp=2)) == []  # cp x tp composes (tests/dist/test_cp_tp.py)
     # cp inside pipeline stages composes (tests/dist/test_cp_pp.py)
     assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), pp=2, cp=2)) == []
+    # experts over ep beside tp (tests/dist/test_ep_tp.py) and inside pipeline stages (tests/dist/test_ep_pp.py)
+    assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), tp=2, ep=2)) == []
+    assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), pp=2, ep=2)) == []
 
 
 def test_rule_names_are_unique() -> None:

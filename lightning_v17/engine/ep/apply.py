@@ -14,6 +14,15 @@ whole data-parallel degree ``dp = dp_replicate x dp_shard``, once, on the micro-
 over every rank's loss, what one process computes on the concatenated batch, and what the dense part's reduction
 gives too (the factor a second division or a missing one would be off by is what pytorch#160285 reports).
 
+Beside tensor parallelism (``ep x tp``) the ep groups are the same per tp rank (one group per tp index, ranks that
+share the tp index and differ in dp_shard), the experts are replicated over tp (not tp-sharded: ETP = 1), and each
+tp rank routes and dispatches the whole, replicated sequence: the tp ranks of one dp rank compute the same expert
+outputs and the same expert gradients, so nothing is summed over tp (that would double them) and the reduction stays
+over ``edp``. Megatron-core instead splits the tokens over tp before the dispatch, which saves the repeated expert
+compute but needs each expert's gradient summed over tp (an all-reduce of the experts' size per step) and the outputs
+all-gathered over tp; not done here. Inside pipeline stages (``ep x pp``) each stage's ep group dispatches its own
+micro-batches, and the experts' gradients accumulate unreduced over the schedule (:meth:`ExpertGradSync.finish_grad_sync`).
+
 A MoE layer is found by what it has, not by its class: a ``dispatcher`` attribute, an ``experts`` child whose
 parameters are 3-D with the expert on dim 0, and ``num_experts`` (:func:`find_moe_layers`).
 """
@@ -32,8 +41,8 @@ from lightning_v17.config import V17ConfigError
 from lightning_v17.engine._dtensor import local as _local
 from lightning_v17.engine.ep.dispatch import make_dispatcher
 
-__all__ = ["ExpertGradSync", "ExpertParallel", "apply_expert_parallel", "expert_params", "find_moe_layers",
-           "is_expert_param"]  # fmt: skip
+__all__ = ["ExpertGradSync", "ExpertParallel", "apply_expert_parallel", "check_pipeline_moe", "expert_params",
+           "find_moe_layers", "is_expert_param"]  # fmt: skip
 
 #: the attribute that marks an expert weight sharded over ep (ZeRO, FSDP2 and the replica sync leave it out)
 EXPERT_MARK = "_v17_expert"
@@ -47,6 +56,35 @@ def find_moe_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
         if isinstance(experts, nn.Module) and hasattr(m, "dispatcher") and hasattr(m, "num_experts"):
             out.append((name, m))
     return out
+
+
+#: the MoE layer attributes that need every forward to be a real one and every loss term in the pipeline's loss
+_BALANCE_TERMS = ("aux_loss_coef", "z_loss_coef", "expert_bias_rate")
+
+
+def check_pipeline_moe(module: nn.Module, *, pp: int) -> None:
+    """Refuse what MoE layers cannot do inside pipeline stages (pp > 1), before the model is cut.
+
+    * ``aux_loss_coef``/``z_loss_coef``: the schedule's loss is the last stage's ``loss_fn`` of the logits; the
+      balance losses the MoE layers of every stage compute would be dropped silently.
+    * ``expert_bias_rate``: torch's pipelining infers the stages' shapes with one extra forward of micro-batch 0
+      (garbage activations on the later stages) on the first step, which the layers would count as routed load.
+
+    Raises:
+        V17ConfigError: naming the layer, the option and the fix.
+    """
+    if pp <= 1:
+        return
+    for name, layer in find_moe_layers(module):
+        for term in _BALANCE_TERMS:
+            if getattr(layer, term, 0):
+                raise V17ConfigError(
+                    f"pp={pp} with {term}={getattr(layer, term)} in the MoE layer {name} is not implemented yet: "
+                    + ("the pipeline's loss is the last stage's, and the balance losses of the stages' MoE layers "
+                       "would be dropped" if term != "expert_bias_rate" else
+                       "the pipeline's shape inference runs an extra forward that would count as routed load")
+                    + f"; set {term}=0 with pp > 1, or pp=1"
+                )
 
 
 def is_expert_param(p: torch.Tensor) -> bool:
