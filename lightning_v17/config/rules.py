@@ -99,6 +99,20 @@ def _axes_not_together(axis: str, other: str, why: str) -> Rule:
     )
 
 
+def _without_sequence_parallel(axis: str, why: str, fix_note: str = "") -> Rule:
+    """``axis`` > 1 beside tp > 1 with sequence parallelism is not built yet (``why`` says what is missing)."""
+    return Rule(
+        name=f"{axis}_without_sequence_parallel",
+        options=(axis, "sequence_parallel"),
+        violated=lambda lay: getattr(lay, axis) > 1 and lay.tp > 1 and lay.policy.tensor_parallel.sequence_parallel,
+        message=lambda lay: (
+            f"{axis}={getattr(lay, axis)} with tp={lay.tp} and sequence_parallel=True is not implemented yet: {why}"
+        ),
+        fix=f"use {axis} with sequence_parallel=False{fix_note}, or {axis}=1",
+        example={axis: 2, "zero_stage": 1, "tp": {"size": 2, "sequence_parallel": True}},
+    )
+
+
 def _needs_axis(option: str, axis: str) -> Rule:
     """``option`` shapes the ``axis`` axis and means nothing when it has size 1."""
 
@@ -201,36 +215,24 @@ RULES: tuple[Rule, ...] = (
         fix="use loss_parallel with pp=1, or drop it",
         example={"pp": 2, "zero_stage": 1, "tp": {"size": 2, "loss_parallel": True}},
     ),
-    Rule(
-        # ep x tp (tests/dist/test_ep_tp.py) runs each tp rank's MoE on the whole replicated sequence; under sequence
-        # parallelism a tp rank holds a slice of each sequence, and the per-sequence capacity and balance loss, the
-        # router's and the experts' gradients (partial over tp) would all need the sequence gathered first
-        name="ep_without_sequence_parallel",
-        options=("ep", "sequence_parallel"),
-        violated=lambda lay: lay.ep > 1 and lay.tp > 1 and lay.policy.tensor_parallel.sequence_parallel,
-        message=lambda lay: (
-            f"ep={lay.ep} with tp={lay.tp} and sequence_parallel=True is not implemented yet: the MoE layers route "
-            "whole sequences (per-sequence capacity and balance loss), and a tp rank holds a slice of each"
-        ),
-        fix="use ep with sequence_parallel=False, or ep=1",
-        example={"ep": 2, "zero_stage": 1, "tp": {"size": 2, "sequence_parallel": True}},
+    # ep x tp (tests/dist/test_ep_tp.py) runs each tp rank's MoE on the whole replicated sequence; under sequence
+    # parallelism a tp rank holds a slice of each sequence, and the per-sequence capacity and balance loss, the
+    # router's and the experts' gradients (partial over tp) would all need the sequence gathered first
+    _without_sequence_parallel(
+        "ep",
+        why="the MoE layers route whole sequences (per-sequence capacity and balance loss), and a tp rank holds a "
+        "slice of each",
     ),
     *(
         _axes_not_together("cp", axis, what)
         for axis, what in (("ep", "the cp ranks would need the MoE dispatch over their shared batch"),
                            ("dp_replicate", "ZeRO over dp_shard x cp is one flat group; HSDP beside it is planned"))
     ),
-    Rule(
-        name="cp_without_sequence_parallel",
-        options=("cp", "sequence_parallel"),
-        violated=lambda lay: lay.cp > 1 and lay.tp > 1 and lay.policy.tensor_parallel.sequence_parallel,
-        message=lambda lay: (
-            f"cp={lay.cp} with tp={lay.tp} and sequence_parallel=True is not implemented yet: sequence parallelism "
-            "would shard the cp rank's S/cp tokens over tp again, and the cp attention gathers the rows over cp "
-            "only"
-        ),
-        fix="use cp with sequence_parallel=False (cp x tp splits the heads over tp and the sequence over cp), or cp=1",
-        example={"cp": 2, "tp": {"size": 2, "sequence_parallel": True}, "zero_stage": 1},
+    _without_sequence_parallel(
+        "cp",
+        why="sequence parallelism would shard the cp rank's S/cp tokens over tp again, and the cp attention gathers "
+        "the rows over cp only",
+        fix_note=" (cp x tp splits the heads over tp and the sequence over cp)",
     ),
     Rule(
         name="activation_offload_without_pp",

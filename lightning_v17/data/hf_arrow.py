@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,26 +174,23 @@ class ArrowTokens:
             out[sel] = self._doc_base[c] + local
         return out
 
-    def doc_starts(self, docs: np.ndarray) -> np.ndarray:
-        """The token offset of each document of ``docs`` in the stream."""
+    def _map_documents(self, docs: np.ndarray, of: Callable[[int, np.ndarray, np.ndarray], Any]) -> np.ndarray:
+        """``of(c, offsets, rows)`` for the documents ``docs`` of the stream, one call per chunk ``c`` they fall in:
+        ``rows`` are those documents' rows within the chunk, ``offsets`` the chunk's; int64, shaped like ``docs``."""
         docs = np.asarray(docs, dtype=np.int64)
         out = np.empty(docs.shape, dtype=np.int64)
         k = self._chunks_of(docs, self._doc_base)
         for c in np.unique(k).tolist():
             sel = k == c
-            o = self._offsets[c]
-            out[sel] = self._tok_base[c] + o[docs[sel] - self._doc_base[c]] - o[0]
+            out[sel] = of(c, self._offsets[c], docs[sel] - self._doc_base[c])
         return out
 
+    def doc_starts(self, docs: np.ndarray) -> np.ndarray:
+        """The token offset of each document of ``docs`` in the stream."""
+        return self._map_documents(docs, lambda c, o, i: self._tok_base[c] + o[i] - o[0])
+
     def doc_lengths(self, docs: np.ndarray) -> np.ndarray:
-        docs = np.asarray(docs, dtype=np.int64)
-        out = np.empty(docs.shape, dtype=np.int64)
-        k = self._chunks_of(docs, self._doc_base)
-        for c in np.unique(k).tolist():
-            sel = k == c
-            o, i = self._offsets[c], docs[sel] - self._doc_base[c]
-            out[sel] = o[i + 1] - o[i]
-        return out
+        return self._map_documents(docs, lambda c, o, i: o[i + 1] - o[i])
 
     def _pieces(self, start: int, end: int) -> list[np.ndarray]:
         """Views of the chunks' values covering stream tokens ``[start, end)``, in order."""

@@ -20,9 +20,9 @@ from __future__ import annotations
 import pytest
 
 from tests._dist import spawn
+from tests._strategy import PACKED_CLIP, STEPS, fit_packed, packed_docs
 
-STEPS, TOL, CLIP, LAYERS = 5, 1e-5, 0.5, 2
-ADAMW = {"lr": 1e-3, "eps": 1e-5, "weight_decay": 0.1}  # eps above the fp32 noise floor: see tests/dist/test_cp_tp.py
+TOL = 1e-5
 CASES = {  # name -> (optimizers, V17Strategy kwargs)
     "gpipe_ulysses": (("sgd", "adamw"), {"pp": {"size": 2, "schedule": "gpipe", "microbatches": 2},
                                          "cp": {"size": 2, "mode": "ulysses"}}),
@@ -35,65 +35,35 @@ CASES = {  # name -> (optimizers, V17Strategy kwargs)
 
 
 def _fit_all(rank: int, world: int) -> dict:
+    docs = packed_docs(80)
+
+    def fit(name: str, opt: str, kwargs: dict) -> dict:
+        loss = _pipeline_loss if "user_loss" in name else None
+        return fit_packed(world, {"zero_stage": 1, **kwargs}, opt, docs, batch_size=4, grad_norm=_norm,
+                          pipeline_loss=loss)  # fmt: skip
+
+    if world == 1:
+        return {opt: fit("ref", opt, {}) for opt in ("sgd", "adamw")}
+    return {(name, opt): fit(name, opt, kw) for name, (opts, kw) in CASES.items() for opt in opts}
+
+
+def _pipeline_loss(self, logits, batch):
     import torch
 
-    g = torch.Generator().manual_seed(7)
-    docs = [torch.randint(3, 320, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (80,), generator=g)]
-    if world == 1:
-        return {opt: _fit(world, "ref", opt, {}, docs) for opt in ("sgd", "adamw")}
-    return {(name, opt): _fit(world, name, opt, kw, docs) for name, (opts, kw) in CASES.items() for opt in opts}
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
 
 
-def _fit(world: int, name: str, opt: str, kwargs: dict, docs: list[list[int]]) -> dict:
-    """One Trainer run: each step's loss of the whole rows and whole-model pre-clip gradient norm, the weights after."""
-    import lightning as L
+def _norm(module, world: int) -> float:
+    """The whole model's pre-clip gradient norm: each pp rank holds its stage's gradients (whole, after ZeRO-1's
+    reduction)."""
     import torch
     import torch.distributed as dist
-    from lightning_v17.strategies import V17Strategy
 
-    from lightning_v17.data import PackedDataModule
-    from lightning_v17.models import LlamaLM
-
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    losses: list[float] = []
-    norms: list[float] = []
-
-    class Module(LlamaLM):
-        def configure_optimizers(self):
-            if opt == "sgd":
-                return torch.optim.SGD(self.parameters(), lr=0.5)
-            return torch.optim.AdamW(self.parameters(), **ADAMW)
-
-        if "user_loss" in name:
-
-            def pipeline_loss(self, logits, batch):
-                return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
-
-        def on_before_optimizer_step(self, optimizer) -> None:  # before Lightning clips
-            sq = sum(p.grad.double().square().sum() for p in self.parameters() if p.grad is not None)
-            sq = torch.as_tensor(sq, dtype=torch.float64)
-            if world > 1:  # each pp rank holds its stage's gradients (whole, after ZeRO-1's reduction)
-                dist.all_reduce(sq, group=self.trainer.strategy._mesh.group("pp"))
-            norms.append(float(sq.sqrt()))
-
-    class Losses(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            # the rows' token mean from the cp ranks' own: sum(mean_r * targets_r) / sum(targets_r)
-            w = (batch["labels"] != -100).sum().double()
-            num = torch.stack([outputs["loss"].detach().double() * w, w])
-            if world > 1:
-                dist.all_reduce(num, group=trainer.strategy._mesh.group("cp"))
-            losses.append(float(num[0] / num[1]))
-
-    module = Module(model="tiny", model_overrides={"layers": LAYERS})
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=V17Strategy(zero_stage=1, **kwargs),
-                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Losses()], num_sanity_val_steps=0, limit_val_batches=0,
-                        gradient_clip_val=CLIP if opt == "adamw" else None)  # fmt: skip
-    trainer.fit(module, datamodule=PackedDataModule(docs, seq_len=32, batch_size=4, seed=0, packing="ffd"))
-    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
-    return {"losses": losses, "norms": norms, "weights": weights}
+    sq = sum(p.grad.double().square().sum() for p in module.parameters() if p.grad is not None)
+    sq = torch.as_tensor(sq, dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(sq, group=module.trainer.strategy._mesh.group("pp"))
+    return float(sq.sqrt())
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +78,7 @@ def test_cp2_inside_pp2_trains_like_one_process(runs, name, opt) -> None:
     ref = runs["ref"][0][opt]
     assert len(ref["losses"]) == STEPS and len(set(ref["losses"])) == STEPS  # the weights moved every step
     if opt == "adamw":
-        assert max(ref["norms"]) > CLIP  # the clipping changed the update
+        assert max(ref["norms"]) > PACKED_CLIP  # the clipping changed the update
     held: set[str] = set()
     for rank, got in enumerate(runs["cp_pp"]):
         got = got[(name, opt)]

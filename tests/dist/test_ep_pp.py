@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from tests._dist import spawn
-from tests.dist.test_ep_tp import CLIP, OPTIMIZERS, TOL, _fit
+from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe, v17
 
+TOL = 1e-5
 OVERRIDES = {"layers": 2, "dense_layers": 0}
 STRATEGY = {"pp": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}
 
@@ -31,11 +32,9 @@ def _worker(rank: int, world: int) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from tests._strategy import v17
-
     # ranks = pp x dp_shard (dp innermost): stage 0 on ranks 0, 1, stage 1 on ranks 2, 3
-    return {name: _fit(name, world, v17(**STRATEGY), overrides=OVERRIDES, dp_axis_stride=1, stage_ranks=(0, 2))
-            for name in OPTIMIZERS}  # fmt: skip
+    return {name: fit_moe(name, world, v17(**STRATEGY), overrides=OVERRIDES, dp_axis_stride=1, stage_ranks=(0, 2))
+            for name in MOE_OPTIMIZERS}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +47,15 @@ def references() -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    return {name: _fit(name, 1, "auto", overrides=OVERRIDES) for name in OPTIMIZERS}
+    return {name: fit_moe(name, 1, "auto", overrides=OVERRIDES) for name in MOE_OPTIMIZERS}
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("opt_name", list(MOE_OPTIMIZERS))
 def test_ep2_inside_pp2_matches_one_process(results, references, opt_name) -> None:
     ref = references[opt_name]
-    if OPTIMIZERS[opt_name] is not None:
-        assert min(ref["norms"]) > 2 * CLIP, ref["norms"]
+    if MOE_OPTIMIZERS[opt_name] is not None:
+        assert min(ref["norms"]) > 2 * MOE_CLIP, ref["norms"]
     params: dict[str, torch.Tensor] = {}
     for rank, got in enumerate(results):
         got = got[opt_name]
@@ -65,7 +64,7 @@ def test_ep2_inside_pp2_matches_one_process(results, references, opt_name) -> No
                                   f"layers.{stage}.feed_forward.experts.gate_up_proj"], (rank, got["experts"])
         assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL), (rank, got["losses"], ref["losses"])
         assert got["norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["norms"], ref["norms"])
-        if OPTIMIZERS[opt_name] is not None:
+        if MOE_OPTIMIZERS[opt_name] is not None:
             assert got["clip_norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["clip_norms"])
         for name, p in got["params"].items():
             torch.testing.assert_close(p, ref["params"][name], rtol=TOL, atol=TOL, msg=f"rank {rank} {name}")
