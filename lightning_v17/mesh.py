@@ -64,6 +64,15 @@ def _expert_meshes(spec: MeshSpec, device_type: str) -> dict[str, DeviceMesh]:
     return {"ep": sparse["ep"], "edp": sparse[("dp_replicate", "efsdp")]._flatten("edp"), "sparse": sparse}
 
 
+def expert_shard_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh ZeRO-3 shards the experts over: ``efsdp`` of the sparse mesh (``(dp_replicate, efsdp)`` for HSDP),
+    or None when no rank shares an ep rank's experts within ``dp_shard`` (ep = 1, or efsdp = 1: ep = dp_shard)."""
+    sparse = (getattr(mesh, "_v17_flat", None) or {}).get("sparse")
+    if sparse is None or sparse["efsdp"].size() == 1:
+        return None
+    return sparse["dp_replicate", "efsdp"] if sparse["dp_replicate"].size() > 1 else sparse["efsdp"]
+
+
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """``mesh[name]``, where the flattened axes ("dp", "dp_shard_cp") come from :func:`build_device_mesh`'s own
     bookkeeping (no deprecated slice of a flattened dim from the root mesh)."""

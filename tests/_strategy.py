@@ -179,21 +179,23 @@ def _moe_rows() -> Any:
     return Rows()
 
 
-def _moe_loader(devices: int, dp_rank: int) -> Any:
-    """One process: batches of 4 rows; 4 ranks (dp = 2): dp rank r gets rows 2r, 2r+1 of each 4, so one process's
-    batch is both dp ranks' together, and every row is full: the mean of their token means is its."""
+def _moe_loader(devices: int, dp_rank: int, dp: int = 2) -> Any:
+    """One process: batches of 4 rows; ``dp`` data-parallel ranks: dp rank r gets rows ``4/dp`` x r ... of each 4, so
+    one process's batch is all dp ranks' together, and every row is full: the mean of their token means is its."""
     from torch.utils.data import DataLoader, Subset
 
     if devices == 1:
         return DataLoader(_moe_rows(), batch_size=MOE_ROWS, shuffle=False)
-    rows = [s * MOE_ROWS + 2 * dp_rank + i for s in range(STEPS) for i in (0, 1)]
-    return DataLoader(Subset(_moe_rows(), rows), batch_size=2, shuffle=False)
+    per = MOE_ROWS // dp
+    rows = [s * MOE_ROWS + per * dp_rank + i for s in range(STEPS) for i in range(per)]
+    return DataLoader(Subset(_moe_rows(), rows), batch_size=per, shuffle=False)
 
 
 def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_axis_stride: int = 2,
-            stage_ranks: tuple[int, ...] = ()) -> dict:  # fmt: skip
+            stage_ranks: tuple[int, ...] = (), dp: int = 2, perturb_odd: bool = True) -> dict:  # fmt: skip
     """Train the MoE LlamaLM (``model_overrides=overrides``) with ``MOE_OPTIMIZERS[opt_name]``; with ``devices`` > 1
-    this rank's dp rank is ``RANK // dp_axis_stride % 2``, odd ranks start from other random weights, and, under pp,
+    this rank's dp rank is ``RANK // dp_axis_stride % dp``, odd ranks start from other random weights (unless not
+    ``perturb_odd``: ZeRO-3 shards rather than broadcasts over dp_shard), and, under pp,
     the global gradient norm adds the squared norms of ``stage_ranks`` (one rank per stage). Returns each step's loss
     (the mean over one process's batch), unclipped gradient norm and the norm the strategy's clipping computed, the
     parameters gathered whole, the names of the ep-sharded and the tp-sharded ones, and the expert biases (after
@@ -230,7 +232,7 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
     class LM(LlamaLM):
         def configure_model(self) -> None:
             super().configure_model()
-            if devices > 1 and int(os.environ["RANK"]) % 2:  # odd ranks (tp rank 1; dp rank 1 under pp) draw other
+            if perturb_odd and devices > 1 and int(os.environ["RANK"]) % 2:  # odd ranks (tp rank 1; dp rank 1 under pp) draw other
                 with torch.no_grad():  # initial weights: the strategy hands them those of the others (experts too)
                     for p in self.model.parameters():
                         p.add_(torch.randn_like(p), alpha=0.01)
@@ -250,8 +252,8 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
     try:
         module = LM(model="tiny-moe", model_overrides=overrides, warmup_steps=0, max_steps=STEPS)
         trainer = _trainer(devices, strategy, MOE_OPTIMIZERS[opt_name], [Rec()], use_distributed_sampler=False)
-        dp_rank = int(os.environ.get("RANK", "0")) // dp_axis_stride % 2  # the Trainer initializes the group in fit
-        trainer.fit(module, _moe_loader(devices, dp_rank))
+        dp_rank = int(os.environ.get("RANK", "0")) // dp_axis_stride % dp  # the Trainer initializes the group in fit
+        trainer.fit(module, _moe_loader(devices, dp_rank, dp))
     finally:
         precision.clip_grad_norm_ = record
     model = module.model
@@ -261,4 +263,8 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
         "experts": sorted(n for n, p in model.named_parameters() if hasattr(p, "_v17_expert")),
         "tp_sharded": sorted(n for n, p in model.named_parameters() if "tp" in str(getattr(p, "device_mesh", ""))),
         "biases": [m.expert_bias.clone() for m in moe_layers(model)], "bias_steps": bias_steps,
+        # what this rank stores of each routed-expert weight, and over which mesh axes
+        "expert_storage": {n: ((p.to_local() if hasattr(p, "to_local") else p).numel(),
+                               getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None))
+                           for n, p in model.named_parameters() if ".experts." in n},
     }  # fmt: skip

@@ -47,7 +47,7 @@ from lightning_v17.engine.recompute import apply_activation_checkpointing
 from lightning_v17.engine.zero import fsdp as fsdp_engine
 from lightning_v17.engine.zero import stages_0_2 as zero_engine
 from lightning_v17.engine.zero.backend import ZeroBackend
-from lightning_v17.mesh import MeshRuntime
+from lightning_v17.mesh import MeshRuntime, expert_shard_mesh
 
 __all__ = ["Parallelized", "apply_zero_stage", "check_composition", "parallelize", "sync_replicas"]
 
@@ -342,6 +342,7 @@ def parallelize(
         ep = apply_expert_parallel(
             module, ep_mesh=mesh["ep"], edp_group=mesh.group("edp") if spec.edp > 1 else None, dp=spec.dp,
             dispatcher=policy.expert.dispatcher.value,
+            reduce_grads=not (policy.zero.shards_params and expert_shard_mesh(mesh.device_mesh) is not None),
         )
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model

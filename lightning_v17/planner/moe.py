@@ -7,27 +7,30 @@ of every MoE block and trains on its own batch, and the ranks that hold the same
 replicated axis in the planner, ``edp = efsdp``) reduce their gradients (``lightning_v17/engine/ep/``).
 
 What V17Strategy does with the experts decides their bytes (docs/expert-parallel.md): at ``ep = 1`` they are
-ordinary parameters that ZeRO shards over ``dp_shard`` like the dense part; at ``ep > 1`` they are outside the
-ZeRO partition (stages 0-2) and outside FSDP2 (stage 3), so each rank keeps the parameters, gradients and optimizer
-state of its ``E / ep`` experts whole, replicated over ``efsdp``. torchtitan and Megatron-core also shard them over
-``efsdp`` with the stage's rules; :data:`V17_SHARDS_EXPERTS_OVER_EFSDP` says which rule the plan uses, and
+ordinary parameters that ZeRO shards over ``dp_shard`` like the dense part; at ``ep > 1`` ZeRO-3 shards each ep
+rank's experts again over ``efsdp`` (FSDP2, as torchtitan and Megatron-core do), while stages 0-2 keep them outside
+the ZeRO partition, so each rank holds the parameters, gradients and optimizer state of its ``E / ep`` experts whole,
+replicated over ``efsdp``. :func:`v17_shards_experts_over_efsdp` says which rule the plan uses, and
 :func:`expert_state_bytes_per_rank` computes both.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_v17.config import Recompute, V17ConfigError, ZeroPolicy, divisors
-from lightning_v17.planner.comm import ring_fraction
+from lightning_v17.planner.comm import Collective, dp_comm_bytes, ring_fraction
 from lightning_v17.planner.memory import ModelStateBytes, model_state_bytes_per_rank
 from lightning_v17.planner.model import ModelShape
 
-#: V17Strategy keeps the experts outside ZeRO at ep > 1 (engine/ep/apply.py: replicated over edp), so the plan does
-#: not divide them by efsdp. Set True when the engine shards them over efsdp (torchtitan's FSDP on dp_shard_mod_ep).
-V17_SHARDS_EXPERTS_OVER_EFSDP = False
+
+def v17_shards_experts_over_efsdp(zero: ZeroPolicy) -> bool:
+    """Whether V17Strategy shards the experts over ``efsdp`` at ``ep > 1`` under ``zero``: at ZeRO-3 (FSDP2 units of
+    their own, ``engine/zero/fsdp.py``); at stages 0-2 they stay replicated over edp (``engine/ep/apply.py``)."""
+    return zero.shards_params
+
 #: Bytes of an int64 index (the row orders and token ids a MoE block saves per assignment).
 INDEX_BYTES = 8
 #: Bytes of an fp32 element: the router runs in fp32 (models/moe.py), its scores are saved as fp32.
@@ -76,15 +79,15 @@ def expert_state_bytes_per_rank(
     param_bytes: float = 2.0,
     grad_bytes: float = 2.0,
     optimizer_bytes: float = 12.0,
-    shard_over_efsdp: bool = V17_SHARDS_EXPERTS_OVER_EFSDP,
+    shard_over_efsdp: bool | None = None,
 ) -> ModelStateBytes:
     """Parameter, gradient and optimizer bytes of the routed experts held by one rank.
 
     Source: ZeRO (Rajbhandari 2020) §3.1 for what each stage shards, with the experts first divided by ``ep``
     (each rank holds ``E / ep`` of them; GShard §3.2). At ``ep = 1`` the experts are ordinary parameters: ZeRO
     shards them over ``dp_shard``. At ``ep > 1`` their ZeRO group is ``efsdp = dp_shard / ep``: with
-    ``shard_over_efsdp`` (torchtitan, Megatron-core) the stage's buckets are divided by it too; without it
-    (V17Strategy, :data:`V17_SHARDS_EXPERTS_OVER_EFSDP`) each replica keeps its experts' state whole.
+    ``shard_over_efsdp`` (torchtitan, Megatron-core) the stage's buckets are divided by it too; without it each
+    replica keeps its experts' state whole.
 
     Args:
         expert_params: routed-expert parameters of the whole model (:attr:`ModelShape.expert_params`).
@@ -93,8 +96,11 @@ def expert_state_bytes_per_rank(
         dp_shard: data-parallel ranks ZeRO shards over (``ep`` is folded out of them).
         tp, pp: model-parallel sizes (the experts of a stage, per tensor-parallel rank).
         param_bytes, grad_bytes, optimizer_bytes: bytes per parameter of each bucket (K for the optimizer).
-        shard_over_efsdp: whether ZeRO shards the experts over ``efsdp`` at ``ep > 1``.
+        shard_over_efsdp: whether ZeRO shards the experts over ``efsdp`` at ``ep > 1``; None: what V17Strategy does
+            (:func:`v17_shards_experts_over_efsdp`).
     """
+    if shard_over_efsdp is None:
+        shard_over_efsdp = v17_shards_experts_over_efsdp(zero)
     if ep == 1:
         group = dp_shard
     else:
@@ -137,6 +143,22 @@ def pick_dispatcher(alltoall_bytes: int, allgather_bytes: int, *, ep: int) -> tu
     ratio = allgather_bytes / alltoall_bytes if alltoall_bytes else float("inf")
     return pick, (f"the all-gather dispatcher sends {ratio:.2f}x the all-to-all's bytes ((ep - 1)(1 + 1/ep) against "
                   f"2(ep - 1)/ep copies of each assignment row at ep={ep})")
+
+
+def expert_collectives(expert_params_per_rank: float, *, zero: ZeroPolicy, efsdp: int, grad_bytes: float = 2.0,
+                       param_bytes: float = 2.0, microbatches: int = 1) -> list[Collective]:
+    """The experts' own data-parallel traffic per step over the ``efsdp`` ranks that hold the same experts (none with
+    ``efsdp = 1``): the ZeRO stage's collectives on the rank's experts where V17Strategy shards them over efsdp
+    (:func:`v17_shards_experts_over_efsdp`; :func:`~lightning_v17.planner.comm.dp_comm_bytes`), else the gradients'
+    all-reduce (:func:`expert_grad_allreduce_bytes`)."""
+    if efsdp == 1:
+        return []
+    if v17_shards_experts_over_efsdp(zero):
+        return [replace(c, name=c.name.replace("dp ", "efsdp ", 1) + " of the experts", axis="efsdp")
+                for c in dp_comm_bytes(expert_params_per_rank, zero=zero, dp=efsdp, grad_bytes=grad_bytes,
+                                       param_bytes=param_bytes, grad_accum_steps=microbatches)]  # fmt: skip
+    return [Collective("edp all-reduce (expert grads)", "edp",
+                       expert_grad_allreduce_bytes(expert_params_per_rank, efsdp=efsdp, grad_bytes=grad_bytes))]
 
 
 def expert_grad_allreduce_bytes(expert_params_per_rank: float, *, efsdp: int, grad_bytes: float = 2.0) -> int:
@@ -304,7 +326,7 @@ def moe_report(
         total_params=shape.total_params, active_params=shape.active_params, expert_params=shape.expert_params,
         dense_params=shape.dense_params, experts_per_rank=shape.num_experts // ep,
         expert_params_per_rank=math.ceil(shape.expert_params / (ep * tp * pp)), expert_state_bytes_per_rank=state.total,
-        experts_sharded_over_efsdp=ep == 1 or V17_SHARDS_EXPERTS_OVER_EFSDP,
+        experts_sharded_over_efsdp=ep == 1 or v17_shards_experts_over_efsdp(zero),
         alltoall_bytes_per_step=alltoall, allgather_bytes_per_step=allgather, dispatcher=pick, why=why,
         active_flops_per_token=6.0 * shape.active_params,
     )  # fmt: skip
@@ -325,11 +347,11 @@ def traffic_warning(dispatch_s: float, *, compute_s: float, shape: ModelShape, e
 
 
 __all__ = [
-    "V17_SHARDS_EXPERTS_OVER_EFSDP",
     "MoEReport",
     "allgather_bytes_per_layer",
     "alltoall_bytes_per_layer",
     "check_ep",
+    "expert_collectives",
     "expert_grad_allreduce_bytes",
     "expert_state_bytes_per_rank",
     "gathered_unit_params",
@@ -338,4 +360,5 @@ __all__ = [
     "pick_dispatcher",
     "recommend_ep",
     "traffic_warning",
+    "v17_shards_experts_over_efsdp",
 ]

@@ -429,9 +429,8 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
                                       microbatches=lay.microbatches, param_bytes=pb, grad_bytes=gb, optimizer_bytes=k),
                       expert_state_bytes_per_rank=memory.experts.total)  # fmt: skip
     if moe is not None and lay.ep > 1:
-        if lay.efsdp > 1:
-            collectives.append(comm_.Collective("edp all-reduce (expert grads)", "edp", moe_.expert_grad_allreduce_bytes(
-                own_experts, efsdp=lay.efsdp, grad_bytes=gb)))  # fmt: skip
+        collectives += moe_.expert_collectives(own_experts, zero=lay.zero, efsdp=lay.efsdp, grad_bytes=gb,
+                                               param_bytes=pb, microbatches=lay.microbatches)  # fmt: skip
         dispatched = moe.alltoall_bytes_per_step if moe.dispatcher == "alltoall" else moe.allgather_bytes_per_step
         collectives.append(comm_.Collective(f"ep {moe.dispatcher} (tokens, dispatch+combine)", "ep", dispatched))
     layers_per_stage = math.ceil(shape.layers / lay.pp) if shape else 0

@@ -137,7 +137,8 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
                f"(Ψ/(tp·pp) = {fmt_count(slice_params)})")
     if plan.moe is not None:
         moe = plan.moe
-        kept = "sharded by ZeRO like the dense part" if moe.experts_sharded_over_efsdp else (
+        kept = (f"sharded by ZeRO over the efsdp={moe.efsdp} ranks that hold the same ones" if moe.ep > 1 else
+                "sharded by ZeRO like the dense part") if moe.experts_sharded_over_efsdp else (
             f"whole on each of the efsdp={moe.efsdp} ranks that hold the same ones (V17Strategy keeps them outside ZeRO)")
         out.append(f"{'':<14} └── of it experts {fmt_bytes(m.experts.total)}: {moe.experts_per_rank} of "
                    f"{moe.num_experts} routed experts per MoE block on each rank (ep={moe.ep}), {kept}; dense part "

@@ -11,7 +11,9 @@ spawn for all of them:
   experts');
 * losses (cross-entropy + aux) and every parameter after 5 steps within 1e-5;
 * dropless top-2 and capacity-limited routing (capacity 1.0 per sequence), ZeRO stages 1 and 3;
-* ep=2 on 2 ranks, ep=2 x dp=2 on 4 ranks (the experts' gradients summed over the replicas too).
+* ep=2 on 2 ranks, ep=2 x dp=2 on 4 ranks (the experts' gradients summed over the replicas too; at ZeRO-3 each
+  ep rank's experts are sharded over those replicas, ``efsdp``, on dim 0, or on dim 1 with fewer local experts than
+  ranks, and each rank stores a quarter of every expert weight).
 
 Token conservation: the rows each rank sends per expert and the rows each expert's rank receives are counted
 against the router's choices (uneven splits), and every token's outputs come back once.
@@ -32,8 +34,11 @@ BATCH = 4  # sequences of the global batch
 CASES = {  # name -> ModelConfig overrides
     "dropless": {},
     "capacity": {"capacity_factor": 1.0},
+    "two_experts": {"num_experts": 2, "experts_per_token": 1},  # ZeRO-3, 4 ranks: 1 local expert, efsdp=2 on dim 1
 }
 STAGES = (1, 3)
+#: ep=2 x dp=2: at ZeRO-3 the experts are split over efsdp=2 too, on dim 0 (4 experts) or dim 1 (2 experts)
+DP2_CASES = [("dropless", 1), ("capacity", 3), ("two_experts", 3)]
 
 
 def _config(**overrides):
@@ -64,6 +69,11 @@ def _loss(model, rows):
 
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _local_numel(t) -> int:
+    """Elements this rank stores (a DTensor's local shard, FSDP2's padding excluded)."""
+    return (t.to_local() if hasattr(t, "to_local") else t).numel()
 
 
 def _reference(case: str) -> dict:
@@ -116,8 +126,10 @@ def _ep_worker(rank: int, world: int, cases: list[tuple[str, int]]) -> dict:
             done.zero.finish_grad_sync()
             if step == 0:
                 got["logits"] = logits.detach().clone()
-                got["expert_grads"] = {n: p.grad.to_local().clone() for n, p in model.named_parameters()
-                                       if getattr(p, "_v17_expert", False)}  # fmt: skip
+                # whole [E, ...] gradients: at ZeRO-3 with efsdp > 1 each rank holds a piece of its ep rank's experts
+                got["expert_grads"] = {n: _full(p.grad).clone() for n, p in model.named_parameters()
+                                       if ".experts." in n}  # fmt: skip
+                got["expert_storage"] = {n: _local_numel(p) for n, p in model.named_parameters() if ".experts." in n}
                 if stage != 2:
                     got["router_grads"] = {n: _full(p.grad).clone() for n, p in model.named_parameters()
                                            if n.endswith("router.weight")}  # fmt: skip
@@ -148,7 +160,7 @@ def ep2_runs() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ep2_dp2_runs() -> list[dict]:
-    return spawn(_ep_worker, world_size=4, args=([("dropless", 1), ("capacity", 3)],), timeout=400)
+    return spawn(_ep_worker, world_size=4, args=(DP2_CASES,), timeout=400)
 
 
 def _check(runs: list[dict], references: dict, world: int, case: str, stage: int) -> None:
@@ -156,17 +168,18 @@ def _check(runs: list[dict], references: dict, world: int, case: str, stage: int
 
     ref = references[case]
     per = BATCH // world
-    ep_rank = [r % 2 for r in range(world)]  # ep innermost: consecutive dp_shard ranks form an ep group
     for rank, res in enumerate(runs):
         got = res[(case, stage)]
         assert torch.equal(got["logits"], ref["logits"][per * rank : per * (rank + 1)]), (case, stage, rank)
         for name, g in got["expert_grads"].items():
-            want = ref["grads"][name].chunk(2)[ep_rank[rank]]
+            want = ref["grads"][name]
             # the upstream gradient comes through dense GEMMs over 2 sequences here and 4 there, whose CPU kernels
             # may round differently (measured: 0 or 0.7-2.8e-9 against entries up to 1.2e-2); the dispatch itself is
             # bitwise (tests/dist/test_ep_engine.py, the same upstream gradient on both sides)
             torch.testing.assert_close(g, want, rtol=0, atol=1e-8, msg=f"{case} stage {stage} rank {rank} {name}")
-        assert got["expert_grads"], "no expert weight was sharded over ep"
+        assert got["expert_grads"], "no expert weight found"
+        for name, n in got["expert_storage"].items():  # ep=2; ZeRO-3 splits each ep rank's experts over efsdp too
+            assert n * 2 * (world // 2 if stage == 3 else 1) == ref["grads"][name].numel(), (stage, name, n)
         for name, g in got.get("router_grads", {}).items():
             torch.testing.assert_close(g, ref["grads"][name], rtol=TOL, atol=TOL)
         assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL)
@@ -180,7 +193,7 @@ def test_ep2_matches_one_process(ep2_runs, references, case, stage) -> None:
     _check(ep2_runs, references, 2, case, stage)
 
 
-@pytest.mark.parametrize(("case", "stage"), [("dropless", 1), ("capacity", 3)])
+@pytest.mark.parametrize(("case", "stage"), DP2_CASES)
 def test_ep2_dp2_matches_one_process(ep2_dp2_runs, references, case, stage) -> None:
     _check(ep2_dp2_runs, references, 4, case, stage)
 
@@ -200,6 +213,6 @@ def test_every_routed_row_reaches_its_expert_and_comes_back_once(ep2_runs, refer
         assert torch.equal((sent[0] + sent[1]).float(), references[case]["load"][layer])
         for dst in range(2):
             for src in range(2):
-                assert torch.equal(received[dst].view(2, 2)[src], sent[src].view(2, 2)[dst]), (layer, src, dst)
-    splits = [s.view(2, 2).sum(1).tolist() for r in ep2_runs for s in r[(case, 1)]["sent"]]
+                assert torch.equal(received[dst].view(2, -1)[src], sent[src].view(2, -1)[dst]), (layer, src, dst)
+    splits = [s.view(2, -1).sum(1).tolist() for r in ep2_runs for s in r[(case, 1)]["sent"]]
     assert any(a != b for a, b in splits), f"the test routing sent even splits only: {splits}"

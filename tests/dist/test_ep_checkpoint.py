@@ -34,7 +34,7 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _worker(rank: int, world: int, ep: int, root: str, load: bool) -> dict:
+def _worker(rank: int, world: int, ep: int, root: str, load: bool, stage: int = 1) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, ep: int, root: str, load: bool) -> dict:
     spec = MeshSpec(dp_shard=world, ep=ep)
     mesh = MeshRuntime(spec, build_device_mesh(spec, device_type="cpu"))
     model = Llama(_config(), init_seed=1 if load else 0)  # a loaded run starts from other weights on purpose
-    done = parallelize(model, mesh=mesh, policy=TrainingPolicy(zero=ZeroPolicy(stage=1)), device="cpu")
+    done = parallelize(model, mesh=mesh, policy=TrainingPolicy(zero=ZeroPolicy(stage=stage)), device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     done.zero.prepare_optimizers([opt])
     balanced = balanced_layers(model)
@@ -109,6 +109,29 @@ def test_an_ep2_checkpoint_resumes_at_another_ep(saved, world, ep) -> None:
         for b, want in zip(got["biases"], uninterrupted["biases"]):
             torch.testing.assert_close(b, want, rtol=0, atol=0)
     assert any(bool(b.abs().sum() > 0) for b in uninterrupted["biases"]), "the expert bias never moved"
+
+
+@pytest.fixture(scope="module")
+def saved_zero3(tmp_path_factory) -> tuple[str, dict]:
+    """ZeRO-3 at ep=2 on 4 ranks: each ep rank's experts split again over efsdp=2 (a quarter of them per rank)."""
+    root = str(tmp_path_factory.mktemp("ep_ckpt3") / "step-3")
+    runs = spawn(_worker, world_size=4, args=(2, root, False, 3), timeout=300)
+    return root, runs[0]
+
+
+@pytest.mark.parametrize(("world", "ep", "stage"), [(2, 1, 3), (4, 4, 3), (2, 2, 1)],
+                         ids=["ep1-zero3", "ep4-zero3", "ep2-zero1"])  # fmt: skip
+def test_an_efsdp_sharded_checkpoint_resumes_at_another_layout(saved_zero3, world, ep, stage) -> None:
+    import torch
+
+    root, uninterrupted = saved_zero3
+    runs = spawn(_worker, world_size=world, args=(ep, root, True, stage), timeout=300)
+    for got in runs:
+        assert got["losses"] == pytest.approx(uninterrupted["losses"], rel=TOL, abs=TOL)
+        for name, p in got["params"].items():
+            torch.testing.assert_close(p, uninterrupted["params"][name], rtol=TOL, atol=TOL, msg=name)
+        for b, want in zip(got["biases"], uninterrupted["biases"]):
+            torch.testing.assert_close(b, want, rtol=0, atol=0)
 
 
 def test_consolidate_writes_full_per_expert_tensors(saved, tmp_path) -> None:

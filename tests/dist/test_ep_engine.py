@@ -18,6 +18,11 @@ E, H, INTER, TOPK, VOCAB = 4, 16, 8, 2, 32
 CASES = [(opt, stage) for opt in ("sgd", "adamw_clip") for stage in (0, 1, 2, 3)]
 
 
+
+def _over_ep(p) -> bool:
+    """Sharded over ep: marked by engine/ep, or (ZeRO-3 over efsdp) an FSDP2 DTensor whose mesh has the ep axis."""
+    return hasattr(p, "_v17_expert") or "ep" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())
+
 def _net():
     import torch
     import torch.nn.functional as F
@@ -151,7 +156,7 @@ def _train_worker(rank: int, world: int, ep: int) -> dict:
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in model.named_parameters()}  # fmt: skip
         out[(opt_name, stage)] = {"losses": losses, "params": params,
-                                  "sharded": sorted(n for n, p in model.named_parameters() if hasattr(p, "_v17_expert"))}
+                                  "sharded": sorted(n for n, p in model.named_parameters() if _over_ep(p))}
     return out
 
 

@@ -12,7 +12,7 @@ One process (ep=1, no ranks), against transformers' own experts implementations 
   refused by name.
 
 Two gloo ranks (ep=2 folded out of dp_shard=2) through ``engine.parallelize``, ZeRO-1 and ZeRO-3 over the dense
-part: 6 SGD steps of transformers' own loss (labels = input_ids, no router aux loss: ``output_router_logits`` is off
+part, and four at ZeRO-3 (ep=2 x efsdp=2: FSDP2 splits each ep rank's experts over the two ranks that hold them): 6 SGD steps of transformers' own loss (labels = input_ids, no router aux loss: ``output_router_logits`` is off
 on both sides), per-step losses within 1e-4 and every parameter within 1e-5 of one process on the concatenated
 batch, with rows crossing ranks in every MoE layer. One spawn for all cases.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from unittest import mock
 
 import pytest
@@ -191,6 +192,7 @@ def test_models_without_fused_experts_are_left_alone_or_refused_by_name() -> Non
 # --------------------------------------------------------------------------------------------- two ranks, ep=2
 
 
+@functools.cache
 def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """transformers' own model (its default experts implementation) on the whole batch, one process."""
     from tests._models import hf_moe
@@ -207,7 +209,7 @@ def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, cases: list[tuple[str, int]] = CASES) -> dict:
     import torch.distributed as dist
 
     from lightning_v17.config import MeshSpec, TrainingPolicy, ZeroPolicy
@@ -216,10 +218,11 @@ def _worker(rank: int, world: int) -> dict:
     from lightning_v17.models.hf_moe import adapt_hf_moe
     from tests._models import hf_moe
 
-    spec = MeshSpec(dp_shard=2, ep=2)
+    spec = MeshSpec(dp_shard=world, ep=2)
     mesh = MeshRuntime(spec, build_device_mesh(spec, device_type="cpu"))
+    per, ep_rank = 4 // world, rank % 2  # ep innermost: consecutive dp_shard ranks form an ep group
     out = {}
-    for family, stage in CASES:
+    for family, stage in cases:
         model = hf_moe(family)
         adapted = adapt_hf_moe(model)
         done = parallelize(model, mesh=mesh, policy=TrainingPolicy(zero=ZeroPolicy(stage=stage)), device="cpu")
@@ -227,7 +230,7 @@ def _worker(rank: int, world: int) -> dict:
         done.zero.prepare_optimizers([opt])
         losses, crossed = [], []
         for ids in _batches():
-            mine = ids[2 * rank : 2 * rank + 2]
+            mine = ids[per * rank : per * (rank + 1)]
             loss = model(input_ids=mine, labels=mine).loss
             loss.backward()
             done.zero.finish_grad_sync()
@@ -238,11 +241,12 @@ def _worker(rank: int, world: int) -> dict:
             dist.all_reduce(total)
             losses.append(float(total) / world)
             # rows this rank's experts received from the other rank, per MoE layer ([source, local expert] counts)
-            crossed.append([int(model.get_submodule(n).dispatcher.last_received.view(2, -1)[1 - rank].sum())
+            crossed.append([int(model.get_submodule(n).dispatcher.last_received.view(2, -1)[1 - ep_rank].sum())
                             for n in adapted])  # fmt: skip
         out[(family, stage)] = {
             "losses": losses, "adapted": adapted, "sharded": len(done.ep.params) if done.ep else 0, "crossed": crossed,
             "local_shape": tuple(model.get_submodule(adapted[0]).experts.gate_up_proj.to_local().shape),
+            "mesh": model.get_submodule(adapted[0]).experts.gate_up_proj.device_mesh.mesh_dim_names,
             "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                        for n, p in model.named_parameters()},
         }  # fmt: skip
@@ -254,14 +258,36 @@ def runs() -> list[dict]:
     return spawn(_worker, world_size=2, args=(), timeout=500)
 
 
+@pytest.fixture(scope="module")
+def runs_efsdp() -> list[dict]:
+    """4 ranks at ZeRO-3: ep=2, and each ep rank's experts sharded over efsdp=2 by FSDP2."""
+    return spawn(_worker, world_size=4, args=(EFSDP_CASES,), timeout=500)
+
+
+EFSDP_CASES = [(family, 3) for family in HF_MOE_FAMILIES]
+
+
 @pytest.mark.parametrize(("family", "stage"), CASES)
 def test_hf_moe_at_ep2_matches_one_process(runs, family, stage) -> None:
+    _check(runs, family, stage, local_shape=(2, 32, 32))  # 2 of the 4 experts per rank, [2I, H] each
+
+
+@pytest.mark.parametrize(("family", "stage"), EFSDP_CASES)
+def test_hf_moe_at_ep2_zero3_over_efsdp_matches_one_process(runs_efsdp, family, stage) -> None:
+    _check(runs_efsdp, family, stage, local_shape=(1, 32, 32), mesh=("efsdp", "ep"), every_step=False)  # 1/4 each
+
+
+def _check(runs: list[dict], family: str, stage: int, *, local_shape: tuple, mesh: tuple = ("ep",),
+           every_step: bool = True) -> None:
     ref_losses, ref_params = _reference(family)
     for rank, res in enumerate(runs):
         got = res[(family, stage)]
         assert got["adapted"] and got["sharded"] == 2 * len(got["adapted"])  # gate_up_proj, down_proj per block
-        assert got["local_shape"] == (2, 32, 32)  # 2 of the 4 experts per rank, [2I, H] each
-        assert all(n > 0 for step in got["crossed"] for n in step), got["crossed"]
+        assert got["local_shape"] == local_shape and got["mesh"] == mesh, (got["local_shape"], got["mesh"])
+        if every_step:
+            assert all(n > 0 for step in got["crossed"] for n in step), got["crossed"]
+        else:  # one sequence per rank: rows crossed in every MoE layer, though not at every step
+            assert all(n > 0 for n in torch.tensor(got["crossed"]).sum(0).tolist()), got["crossed"]
         assert got["losses"] == pytest.approx(ref_losses, rel=0, abs=1e-4), (rank, got["losses"], ref_losses)
         assert got["params"].keys() == ref_params.keys()
         for name, p in got["params"].items():

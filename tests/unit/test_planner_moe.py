@@ -154,8 +154,11 @@ def test_expert_state_follows_zero_over_the_expert_group() -> None:
     z1, z3 = ZeroPolicy(stage=1), ZeroPolicy(stage=3)
     # ep=1: ordinary parameters, ZeRO-3 shards everything over dp_shard=4
     assert expert_state_bytes_per_rank(n, zero=z3, ep=1, dp_shard=4, **kw).total == n * 16 // 4
-    # ep=2: 600 experts' parameters per rank; V17Strategy keeps them whole on each of efsdp = 2 replicas
-    assert expert_state_bytes_per_rank(n, zero=z3, ep=2, dp_shard=4, **kw).total == 600 * 16
+    # ep=2: 600 experts' parameters per rank; V17Strategy's ZeRO-3 shards them over efsdp = 2, its ZeRO-1 keeps
+    # them whole on each of the 2 replicas
+    assert expert_state_bytes_per_rank(n, zero=z3, ep=2, dp_shard=4, **kw).total == 600 * 16 // 2
+    assert expert_state_bytes_per_rank(n, zero=z1, ep=2, dp_shard=4, **kw).total == 600 * 16
+    assert expert_state_bytes_per_rank(n, zero=z3, ep=2, dp_shard=4, shard_over_efsdp=False, **kw).total == 600 * 16
     # torchtitan's rule: ZeRO over efsdp = 2 as well (ZeRO-1: the optimizer state only)
     assert expert_state_bytes_per_rank(n, zero=z3, ep=2, dp_shard=4, shard_over_efsdp=True, **kw).total == 600 * 8
     assert expert_state_bytes_per_rank(n, zero=z1, ep=2, dp_shard=4, shard_over_efsdp=True, **kw).total == (
@@ -251,13 +254,22 @@ def test_mixtral_on_16_gpus_json_has_the_moe_keys() -> None:
     moe, per_rank = out["moe"], out["per_rank"]
     assert (moe["ep"], moe["efsdp"], moe["experts_per_rank"], moe["expert_params"]) == (8, 2, 1, experts)
     assert moe["dispatcher"] == "alltoall" and "all-gather" in moe["why"] and "\n" not in moe["why"]
-    assert per_rank["expert_model_state_bytes"] == experts // 8 * 16  # bf16 AdamW, whole on each efsdp replica
+    assert out["layout"]["zero_stage"] == 3
+    # bf16 AdamW, 16 B/param: ZeRO-3 splits the rank's expert over the efsdp=2 ranks that hold it
+    assert per_rank["expert_model_state_bytes"] == experts // 8 * 16 // 2
     assert per_rank["model_state_bytes"] == per_rank["expert_model_state_bytes"] + per_rank["dense_model_state_bytes"]
-    assert per_rank["expert_param_bytes"] == experts // 8 * 2 and out["layout"]["ep"] == 8
+    assert per_rank["expert_param_bytes"] == experts // 8 * 2 // 2 and out["layout"]["ep"] == 8
     tokens = 32768  # micro-batch 1 x seq 32768, one micro-batch
     assert moe["alltoall_bytes_per_step"] == 32 * 4 * tokens * 2 * 4096 * 2 * 7 // 8
-    names = {c["name"]: c["axis"] for c in out["comm"]["collectives"]}
-    assert names["ep alltoall (tokens, dispatch+combine)"] == "ep" and names["edp all-reduce (expert grads)"] == "edp"
+    comm = {c["name"]: (c["axis"], c["bytes_per_step"]) for c in out["comm"]["collectives"]}
+    assert comm["ep alltoall (tokens, dispatch+combine)"][0] == "ep"
+    # stage 3 over efsdp=2 (ring fraction 1/2): bf16 params gathered in forward and backward, bf16 grads scattered
+    assert comm["efsdp all-gather (params, fwd+bwd) of the experts"] == ("efsdp", 2 * (experts // 8) * 2 // 2)
+    assert comm["efsdp reduce-scatter (grads) of the experts"] == ("efsdp", (experts // 8) * 2 // 2)
+    # ZeRO-1 keeps each rank's expert whole on both efsdp ranks and all-reduces its gradient over them
+    z1 = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--zero-stage", "1")
+    assert z1["per_rank"]["expert_param_bytes"] == experts // 8 * 2
+    assert {c["name"]: c["axis"] for c in z1["comm"]["collectives"]}["edp all-reduce (expert grads)"] == "edp"
     # left unset, the tree picks FSDP + EP8 itself (experts are 97% of the parameters)
     auto = _plan("--model", "mixtral-8x7b", "--gpus", "16")
     assert (auto["layout"]["ep"], auto["recommendation"]["ep"], auto["layout"]["tp"]) == (8, 8, 1)

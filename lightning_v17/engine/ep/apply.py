@@ -5,11 +5,14 @@ experts' gradients reduced once, over the ranks that hold the same experts.
 ``ep`` is folded out of the data-parallel ranks (torchtitan's sparse mesh, Megatron-core's "parallel folding"):
 ``dp_shard = efsdp x ep``, ep innermost, so the ``ep`` ranks of one group are consecutive ``dp_shard`` ranks and
 each of them trains on its own batch. Everything that is not an expert keeps the dense mesh (ZeRO over
-``dp_shard``, replicas over ``dp_replicate``); the experts are outside the ZeRO partition (stages 0-2) and outside
-FSDP2 (stage 3, ``ignored_params``), replicated over the expert-data-parallel ranks ``edp = dp_replicate x efsdp``.
+``dp_shard``, replicas over ``dp_replicate``). The expert-data-parallel ranks ``edp = dp_replicate x efsdp`` hold
+the same experts: at ZeRO-3 with ``efsdp > 1`` FSDP2 shards them further over ``efsdp`` and reduces their gradients
+(``engine/zero/fsdp.py``, ``apply_fsdp(expert_mesh=)``); otherwise they are outside the ZeRO partition (stages 0-2)
+and outside FSDP2 (``ignored_params``), replicated over ``edp``, and reduced here.
 
 The gradient of a local expert is, after backward, the sum over the tokens that every rank of the ep group sent it
-(the all-to-all's backward adds nothing else). :class:`ExpertGradSync` then sums it over ``edp`` and divides by the
+(the all-to-all's backward adds nothing else). :class:`ExpertGradSync` (or FSDP2's reduce-scatter at ZeRO-3 over
+``efsdp``, with the same divide factor) then sums it over ``edp`` and divides by the
 whole data-parallel degree ``dp = dp_replicate x dp_shard``, once, on the micro-step that synchronises: the mean
 over every rank's loss, what one process computes on the concatenated batch, and what the dense part's reduction
 gives too (the factor a second division or a missing one would be off by is what pytorch#160285 reports).
@@ -205,6 +208,7 @@ def apply_expert_parallel(
     dp: int,
     layers: Iterable[tuple[str, nn.Module]] | None = None,
     dispatcher: str = "alltoall",
+    reduce_grads: bool = True,
 ) -> ExpertParallel:
     """Shard every MoE layer's experts over ``ep_mesh`` and give it the all-to-all dispatcher.
 
@@ -216,6 +220,8 @@ def apply_expert_parallel(
         layers: the (fqn, layer) pairs to shard; None: every layer :func:`find_moe_layers` finds.
         dispatcher: "alltoall" (:class:`~lightning_v17.engine.ep.dispatch.AllToAllDispatch`) or "allgather"
             (:class:`~lightning_v17.engine.ep.dispatch.AllGatherDispatch`).
+        reduce_grads: reduce the experts' gradients here (:class:`ExpertGradSync`); False when ZeRO-3 shards the
+            experts over ``efsdp`` and FSDP2 reduces them (``engine.zero.fsdp.apply_fsdp``'s ``expert_mesh``).
 
     Raises:
         V17ConfigError: no MoE layer, an expert count that ``ep`` does not divide, weights not fused on dim 0.
@@ -236,5 +242,5 @@ def apply_expert_parallel(
             )
         params += _shard_experts(layer, ep_mesh)
         layer.dispatcher = make_dispatcher(dispatcher, ep_mesh.get_group(), layer.num_experts)
-    sync = ExpertGradSync(params, edp_group, dp)
+    sync = ExpertGradSync(params if reduce_grads else [], edp_group, dp)
     return ExpertParallel(layers=found, params=params, grad_sync=sync, ep_mesh=ep_mesh)

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_v17.config import V17ConfigError
 from lightning_v17.engine._dtensor import local as _local
 from lightning_v17.engine.collectives import install_fsdp_comms, is_cpu_gloo
-from lightning_v17.engine.ep.apply import is_expert_param
+from lightning_v17.engine.ep.apply import find_moe_layers, is_expert_param
 
 __all__ = [
     "after_optimizer_step",
@@ -87,6 +87,8 @@ def apply_fsdp(
     overlap_comm: bool = True,
     prefetch_units: int = 1,
     child_units: bool = False,
+    expert_mesh: Any = None,
+    expert_divide_factor: float | None = None,
 ) -> list[nn.Module]:
     """ZeRO-3 with FSDP2: ``fully_shard`` each unit, then one root for everything outside the units.
 
@@ -138,6 +140,11 @@ def apply_fsdp(
             0: no prefetch (the reduce-scatters still overlap with ``overlap_comm``).
         child_units: every parameterized child outside the units is a unit of its own and the root holds only
             ``module``'s own parameters (see above): for step hooks that step optimizers inside themselves.
+        expert_mesh: with experts sharded over ``ep`` (``engine/ep``), the mesh that shards them further
+            (``efsdp``, or ``(dp_replicate, efsdp)``: :func:`lightning_v17.mesh.expert_shard_mesh`): every MoE layer's
+            ``experts`` becomes a unit of its own over it (:func:`_shard_experts`). None: the experts stay outside
+            FSDP2 (``ignored_params``), reduced by ``engine/ep``.
+        expert_divide_factor: what the experts' summed gradients are divided by (the whole data-parallel degree).
 
     Returns:
         The modules that were sharded (units first, then the child units, then the root).
@@ -152,6 +159,7 @@ def apply_fsdp(
         # CPU-only machine), and pinning buys nothing there: host and device are the same memory.
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy(),
     }
+    expert_units = [] if expert_mesh is None else _shard_experts(module, expert_mesh, expert_divide_factor, rsf, kw)
     experts = {p for p in module.parameters() if is_expert_param(p)}
     if experts:  # sharded over ep already, reduced by engine/ep: outside every FSDP2 group
         kw["ignored_params"] = experts
@@ -208,11 +216,56 @@ def apply_fsdp(
     cpu_overlap = overlap_comm and mesh.device_type == "cpu" and is_cpu_gloo(shard_group)
     # HSDP all-reduces each reduce-scatter output at once inside FSDP2, so only a 1-D shard mesh defers them.
     install_fsdp_comms(sharded, shard_group, defer_reduce_scatter=cpu_overlap and mesh.ndim == 1)
+    if expert_units:
+        install_fsdp_comms(expert_units, expert_mesh.get_group(expert_mesh.ndim - 1))
+        sharded = expert_units + sharded
     if cpu_overlap and prefetch_units > 0:
         # The chain runs over the units only: the child units of manual optimization run in whatever order the step
         # hook calls them (and some not at all in a given backward), so they are gathered when called.
         set_cpu_prefetch(units, root, depth=prefetch_units)
     return sharded
+
+
+def _shard_experts(module: nn.Module, mesh: Any, divide: float | None, rsf: bool, kw: dict) -> list[nn.Module]:
+    """ZeRO-3 over the experts (torchtitan's ``dp_mod_ep`` FSDP, Megatron-core's expert data parallelism): each MoE
+    layer's ``experts`` (weights already ``Shard(0)`` over ``ep``) is its own FSDP2 unit over ``mesh``, the ranks that
+    hold the same experts. The local experts are split on dim 0 (FSDP2 writes it ``_StridedShard``) while there are
+    at least as many as ranks in ``mesh``'s shard dim, else on dim 1 (torchtitan's rule; dim 1 must then divide).
+
+    A local expert's gradient is the sum over every ep rank's tokens (the all-to-all's backward); the unit sums it
+    over ``mesh`` and divides by ``divide`` (the whole data-parallel degree), once: the same mean as the dense units'
+    (FSDP2 alone would divide by ``mesh``'s size). The sum goes through SUM collectives and a division after them
+    (``set_force_sum_reduction_for_comms``): gloo has no PREMUL_SUM. The weights lose the ep mark (FSDP2 registers
+    new parameters): from here on FSDP2 owns them, and the replica sync treats them like any stage-3 shard.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    ways = mesh.size(mesh.ndim - 1)
+
+    def placement(p: nn.Parameter) -> Shard:
+        local = _local(p)
+        if local.shape[0] >= ways:
+            return Shard(0)
+        if local.dim() < 2 or local.shape[1] % ways:
+            raise V17ConfigError(
+                f"ZeRO-3 over the experts splits each rank's {local.shape[0]} local experts over {ways} ranks on "
+                f"dim 1, which has {local.shape[1] if local.dim() > 1 else 0} rows ({tuple(p.shape)}): choose ep so "
+                f"that dp_shard/ep <= num_experts/ep, or an expert width that {ways} divides"
+            )
+        return Shard(1)
+
+    out = []
+    for _, layer in find_moe_layers(module):
+        experts = layer.experts
+        if not any(is_expert_param(p) for p in experts.parameters()):
+            continue
+        fully_shard(experts, reshard_after_forward=rsf, shard_placement_fn=placement, **{**kw, "mesh": mesh})
+        experts.set_force_sum_reduction_for_comms(True)
+        if divide is not None:
+            experts.set_gradient_divide_factor(float(divide))
+        out.append(experts)
+    return out
 
 
 def _child_unit_groups(module: nn.Module, unit_ids: set[int], in_units: set[int]) -> list[list[nn.Module]]:

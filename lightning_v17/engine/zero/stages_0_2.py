@@ -453,7 +453,7 @@ def apply_zero(
     ``prefetch_units`` and ``child_units`` (stage 3): see :class:`ZeroEngine` and
     :func:`~lightning_v17.engine.zero.fsdp.apply_fsdp`.
     """
-    from lightning_v17.mesh import submesh
+    from lightning_v17.mesh import expert_shard_mesh, submesh
 
     replicate = mesh["dp_replicate"].size() > 1
     shard_mesh = mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
@@ -472,6 +472,8 @@ def apply_zero(
             overlap_comm=overlap_comm,
             prefetch_units=prefetch_units,
             child_units=child_units,
+            expert_mesh=expert_shard_mesh(mesh),
+            expert_divide_factor=mesh["dp_replicate"].size() * mesh["dp_shard"].size(),
         )
         return None
     engine = ZeroEngine(

@@ -1,0 +1,73 @@
+"""ZeRO-3 over the experts: ``V17Strategy(ep=2, zero_stage=3)`` on 4 gloo ranks (dp_shard = 4 = efsdp 2 x ep 2), the
+MoE LlamaLM (``tiny-moe``, 2 blocks, the second a MoE block with 4 experts), against one process on the concatenated
+batch, 5 steps:
+
+* each rank stores a quarter of every routed-expert weight: its ep rank's 2 experts (``Shard(0)`` over ``ep``)
+  split again over the 2 ranks that hold the same experts (``efsdp``), and nothing else of them;
+* plain SGD (a gradient off by a constant factor moves the weights: FSDP2 alone would divide the experts' summed
+  gradient by efsdp = 2, not by dp = 4) and AdamW with gradient clipping that clips at every step: losses, every
+  step's unclipped global gradient norm (from the gathered gradients and as the strategy's clipping computed it
+  over the dense and the expert meshes) and every final parameter within 1e-5 of one process;
+* the balance losses and the aux-loss-free expert bias ride along; the bias equals one process's bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._dist import spawn
+from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe
+
+TOL = 1e-5
+OVERRIDES = {"layers": 2, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "expert_bias_rate": 0.01}
+
+
+def _worker(rank: int, world: int) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from lightning_v17.strategies import V17Strategy
+
+    return {name: fit_moe(name, world, V17Strategy(ep=2, zero_stage=3), overrides=OVERRIDES, dp_axis_stride=1,
+                          dp=4, perturb_odd=False) for name in MOE_OPTIMIZERS}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return spawn(_worker, world_size=4, timeout=400, init_process_group=False)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    return {name: fit_moe(name, 1, "auto", overrides=OVERRIDES) for name in MOE_OPTIMIZERS}
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("opt_name", list(MOE_OPTIMIZERS))
+def test_ep2_zero3_over_efsdp_matches_one_process(results, references, opt_name) -> None:
+    ref = references[opt_name]
+    if MOE_OPTIMIZERS[opt_name] is not None:  # the clipping clips at every step
+        assert min(ref["norms"]) > 2 * MOE_CLIP, ref["norms"]
+    assert any(bool(b.abs().sum() > 0) for b in ref["biases"]), "the expert bias never moved"
+    for rank, got in enumerate(results):
+        got = got[opt_name]
+        stored = got["expert_storage"]
+        assert sorted(stored) == ["layers.1.feed_forward.experts.down_proj",
+                                  "layers.1.feed_forward.experts.gate_up_proj"], stored  # fmt: skip
+        for name, (numel, dims) in stored.items():
+            assert dims == ("efsdp", "ep"), (rank, name, dims)
+            assert numel * 4 == ref["params"][name].numel(), (rank, name, numel)
+        assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL), (rank, got["losses"], ref["losses"])
+        assert got["norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["norms"], ref["norms"])
+        if MOE_OPTIMIZERS[opt_name] is not None:
+            assert got["clip_norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["clip_norms"])
+        assert got["params"].keys() == ref["params"].keys()
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], want, rtol=TOL, atol=TOL, msg=f"rank {rank} {name}")
+        for b, want in zip(got["biases"], ref["biases"]):
+            assert torch.equal(b, want), (rank, b, want)
