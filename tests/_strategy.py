@@ -222,6 +222,9 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             # before Lightning clips: the unclipped norm, from every parameter's gradient gathered whole
             grads = [full(p.grad).double() for p in pl_module.parameters() if p.grad is not None]
+            if not grads:  # ZeRO-2: only the partitions' gradients exist (the clipping's norm is recorded below)
+                norms.append(float("nan"))
+                return
             squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
             if stage_ranks:  # each pp rank holds its stage's parameters only
                 every = [torch.zeros_like(squares) for _ in range(devices)]
@@ -257,6 +260,7 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
     finally:
         precision.clip_grad_norm_ = record
     model = module.model
+    names = {id(p): n for n, p in model.named_parameters()}
     return {
         "losses": losses, "norms": norms, "clip_norms": clip_norms,
         "params": {n: full(p) for n, p in model.named_parameters()},
@@ -267,4 +271,8 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
         "expert_storage": {n: ((p.to_local() if hasattr(p, "to_local") else p).numel(),
                                getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None))
                            for n, p in model.named_parameters() if ".experts." in n},
+        # what the optimizer steps of each of them (a ZeRO-1/2 shard views its parameter: ``_v17_param``)
+        "expert_stepped": {names[id(getattr(q, "_v17_param", q))]: (q.to_local() if hasattr(q, "to_local") else q).numel()
+                           for g in trainer.optimizers[0].param_groups for q in g["params"]
+                           if ".experts." in names.get(id(getattr(q, "_v17_param", q)), "")},
     }  # fmt: skip

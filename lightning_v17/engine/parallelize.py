@@ -342,7 +342,8 @@ def parallelize(
         ep = apply_expert_parallel(
             module, ep_mesh=mesh["ep"], edp_group=mesh.group("edp") if spec.edp > 1 else None, dp=spec.dp,
             dispatcher=policy.expert.dispatcher.value,
-            reduce_grads=not (policy.zero.shards_params and expert_shard_mesh(mesh.device_mesh) is not None),
+            # ZeRO over efsdp (stages 1-3) reduces the experts' gradients itself
+            reduce_grads=not (policy.zero.shards_optimizer and expert_shard_mesh(mesh.device_mesh) is not None),
         )
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model

@@ -7,9 +7,9 @@ of every MoE block and trains on its own batch, and the ranks that hold the same
 replicated axis in the planner, ``edp = efsdp``) reduce their gradients (``lightning_v17/engine/ep/``).
 
 What V17Strategy does with the experts decides their bytes (docs/expert-parallel.md): at ``ep = 1`` they are
-ordinary parameters that ZeRO shards over ``dp_shard`` like the dense part; at ``ep > 1`` ZeRO-3 shards each ep
-rank's experts again over ``efsdp`` (FSDP2, as torchtitan and Megatron-core do), while stages 0-2 keep them outside
-the ZeRO partition, so each rank holds the parameters, gradients and optimizer state of its ``E / ep`` experts whole,
+ordinary parameters that ZeRO shards over ``dp_shard`` like the dense part; at ``ep > 1`` ZeRO shards each ep
+rank's experts again over ``efsdp`` (as torchtitan and Megatron-core do): stage 3 with FSDP2 units of their own,
+stages 1-2 with a second ZeRO engine over the efsdp group; ZeRO-0 keeps each rank's ``E / ep`` experts whole,
 replicated over ``efsdp``. :func:`v17_shards_experts_over_efsdp` says which rule the plan uses, and
 :func:`expert_state_bytes_per_rank` computes both.
 """
@@ -28,8 +28,9 @@ from lightning_v17.planner.model import ModelShape
 
 def v17_shards_experts_over_efsdp(zero: ZeroPolicy) -> bool:
     """Whether V17Strategy shards the experts over ``efsdp`` at ``ep > 1`` under ``zero``: at ZeRO-3 (FSDP2 units of
-    their own, ``engine/zero/fsdp.py``); at stages 0-2 they stay replicated over edp (``engine/ep/apply.py``)."""
-    return zero.shards_params
+    their own, ``engine/zero/fsdp.py``) and at stages 1-2 (an expert ZeRO engine over the efsdp group,
+    ``engine/zero/stages_0_2.py``); at ZeRO-0 they stay replicated over edp (``engine/ep/apply.py``)."""
+    return zero.shards_optimizer
 
 #: Bytes of an int64 index (the row orders and token ids a MoE block saves per assignment).
 INDEX_BYTES = 8

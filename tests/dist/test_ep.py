@@ -130,6 +130,11 @@ def _ep_worker(rank: int, world: int, cases: list[tuple[str, int]]) -> dict:
                 got["expert_grads"] = {n: _full(p.grad).clone() for n, p in model.named_parameters()
                                        if ".experts." in n}  # fmt: skip
                 got["expert_storage"] = {n: _local_numel(p) for n, p in model.named_parameters() if ".experts." in n}
+                # what the optimizer steps of each expert weight (ZeRO-1: the rows of this rank, over efsdp)
+                names = {id(p): n for n, p in model.named_parameters()}
+                got["expert_stepped"] = {names[id(getattr(q, "_v17_param", q))]: _local_numel(q)
+                                         for g in opt.param_groups for q in g["params"]
+                                         if ".experts." in names[id(getattr(q, "_v17_param", q))]}  # fmt: skip
                 if stage != 2:
                     got["router_grads"] = {n: _full(p.grad).clone() for n, p in model.named_parameters()
                                            if n.endswith("router.weight")}  # fmt: skip
@@ -180,6 +185,9 @@ def _check(runs: list[dict], references: dict, world: int, case: str, stage: int
         assert got["expert_grads"], "no expert weight found"
         for name, n in got["expert_storage"].items():  # ep=2; ZeRO-3 splits each ep rank's experts over efsdp too
             assert n * 2 * (world // 2 if stage == 3 else 1) == ref["grads"][name].numel(), (stage, name, n)
+        assert got["expert_stepped"].keys() == got["expert_storage"].keys()
+        for name, n in got["expert_stepped"].items():  # ZeRO-1 and 3 partition the optimizer over efsdp = world/2
+            assert n * world == ref["grads"][name].numel(), (stage, name, n)
         for name, g in got.get("router_grads", {}).items():
             torch.testing.assert_close(g, ref["grads"][name], rtol=TOL, atol=TOL)
         assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL)

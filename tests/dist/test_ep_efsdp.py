@@ -1,13 +1,14 @@
-"""ZeRO-3 over the experts: ``V17Strategy(ep=2, zero_stage=3)`` on 4 gloo ranks (dp_shard = 4 = efsdp 2 x ep 2), the
+"""ZeRO over the experts: ``V17Strategy(ep=2, zero_stage=1|2|3)`` on 4 gloo ranks (dp_shard = 4 = efsdp 2 x ep 2), the
 MoE LlamaLM (``tiny-moe``, 2 blocks, the second a MoE block with 4 experts), against one process on the concatenated
 batch, 5 steps:
 
-* each rank stores a quarter of every routed-expert weight: its ep rank's 2 experts (``Shard(0)`` over ``ep``)
-  split again over the 2 ranks that hold the same experts (``efsdp``), and nothing else of them;
+* the optimizer of each rank steps a quarter of every routed-expert weight: its ep rank's 2 experts (``Shard(0)``
+  over ``ep``) split again over the 2 ranks that hold the same experts (``efsdp``); at ZeRO-3 that quarter is all
+  the rank stores of them, at ZeRO-1/2 the weights stay whole per ep rank;
 * plain SGD (a gradient off by a constant factor moves the weights: FSDP2 alone would divide the experts' summed
-  gradient by efsdp = 2, not by dp = 4) and AdamW with gradient clipping that clips at every step: losses, every
-  step's unclipped global gradient norm (from the gathered gradients and as the strategy's clipping computed it
-  over the dense and the expert meshes) and every final parameter within 1e-5 of one process;
+  gradient by efsdp = 2, not by dp = 4, and so would a ZeRO-1/2 partition over efsdp) and AdamW with gradient clipping that clips at every step: losses, every
+  step's unclipped global gradient norm (from the gathered gradients, not at ZeRO-2, which keeps none whole, and as
+  the strategy's clipping computed it over the dense and the expert meshes or partitions) and every final parameter within 1e-5 of one process;
 * the balance losses and the aux-loss-free expert bias ride along; the bias equals one process's bit for bit.
 """
 
@@ -21,6 +22,7 @@ from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe
 
 TOL = 1e-5
 OVERRIDES = {"layers": 2, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "expert_bias_rate": 0.01}
+STAGES = (1, 2, 3)
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -30,8 +32,9 @@ def _worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     from lightning_v17.strategies import V17Strategy
 
-    return {name: fit_moe(name, world, V17Strategy(ep=2, zero_stage=3), overrides=OVERRIDES, dp_axis_stride=1,
-                          dp=4, perturb_odd=False) for name in MOE_OPTIMIZERS}  # fmt: skip
+    return {(stage, name): fit_moe(name, world, V17Strategy(ep=2, zero_stage=stage), overrides=OVERRIDES,
+                                   dp_axis_stride=1, dp=4, perturb_odd=False)
+            for stage in STAGES for name in MOE_OPTIMIZERS}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +52,28 @@ def references() -> dict:
 
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("opt_name", list(MOE_OPTIMIZERS))
-def test_ep2_zero3_over_efsdp_matches_one_process(results, references, opt_name) -> None:
+@pytest.mark.parametrize("stage", STAGES)
+def test_ep2_zero_over_efsdp_matches_one_process(results, references, stage, opt_name) -> None:
     ref = references[opt_name]
     if MOE_OPTIMIZERS[opt_name] is not None:  # the clipping clips at every step
         assert min(ref["norms"]) > 2 * MOE_CLIP, ref["norms"]
     assert any(bool(b.abs().sum() > 0) for b in ref["biases"]), "the expert bias never moved"
     for rank, got in enumerate(results):
-        got = got[opt_name]
+        got = got[(stage, opt_name)]
         stored = got["expert_storage"]
         assert sorted(stored) == ["layers.1.feed_forward.experts.down_proj",
                                   "layers.1.feed_forward.experts.gate_up_proj"], stored  # fmt: skip
         for name, (numel, dims) in stored.items():
-            assert dims == ("efsdp", "ep"), (rank, name, dims)
-            assert numel * 4 == ref["params"][name].numel(), (rank, name, numel)
+            if stage == 3:  # the weights themselves split over efsdp
+                assert dims == ("efsdp", "ep") and numel * 4 == ref["params"][name].numel(), (rank, name, numel)
+            else:  # whole experts per ep rank; the optimizer steps (and, at stage 2, keeps gradients of) its rows
+                assert dims == ("ep",) and numel * 2 == ref["params"][name].numel(), (rank, name, numel)
+        for name, numel in got["expert_stepped"].items():
+            assert numel * 4 == ref["params"][name].numel(), (stage, rank, name, numel)
+        assert sorted(got["expert_stepped"]) == sorted(stored)
         assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL), (rank, got["losses"], ref["losses"])
-        assert got["norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["norms"], ref["norms"])
+        if stage != 2:  # ZeRO-2 keeps no whole gradient to take the norm of; its clipping's norm is checked
+            assert got["norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["norms"], ref["norms"])
         if MOE_OPTIMIZERS[opt_name] is not None:
             assert got["clip_norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["clip_norms"])
         assert got["params"].keys() == ref["params"].keys()

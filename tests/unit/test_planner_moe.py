@@ -151,18 +151,18 @@ def test_expert_bytes_halve_at_ep2_through_the_plan() -> None:
 
 def test_expert_state_follows_zero_over_the_expert_group() -> None:
     n, kw = 1200, {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}
-    z1, z3 = ZeroPolicy(stage=1), ZeroPolicy(stage=3)
+    z0, z1, z2, z3 = (ZeroPolicy(stage=s) for s in range(4))
     # ep=1: ordinary parameters, ZeRO-3 shards everything over dp_shard=4
     assert expert_state_bytes_per_rank(n, zero=z3, ep=1, dp_shard=4, **kw).total == n * 16 // 4
-    # ep=2: 600 experts' parameters per rank; V17Strategy's ZeRO-3 shards them over efsdp = 2, its ZeRO-1 keeps
-    # them whole on each of the 2 replicas
+    # ep=2: 600 experts' parameters per rank, and V17Strategy's ZeRO shards them again over efsdp = 2 ranks:
+    # ZeRO-3 all 16 B, ZeRO-2 the grads (2 B) and optimizer (12 B), ZeRO-1 the optimizer only; ZeRO-0 keeps them whole
     assert expert_state_bytes_per_rank(n, zero=z3, ep=2, dp_shard=4, **kw).total == 600 * 16 // 2
-    assert expert_state_bytes_per_rank(n, zero=z1, ep=2, dp_shard=4, **kw).total == 600 * 16
+    assert expert_state_bytes_per_rank(n, zero=z2, ep=2, dp_shard=4, **kw).total == 600 * 2 + 600 * 14 // 2
+    assert expert_state_bytes_per_rank(n, zero=z1, ep=2, dp_shard=4, **kw).total == 600 * 4 + 600 * 12 // 2
+    assert expert_state_bytes_per_rank(n, zero=z0, ep=2, dp_shard=4, **kw).total == 600 * 16
+    # the other rule (experts replicated over efsdp at every stage), asked for explicitly
     assert expert_state_bytes_per_rank(n, zero=z3, ep=2, dp_shard=4, shard_over_efsdp=False, **kw).total == 600 * 16
-    # torchtitan's rule: ZeRO over efsdp = 2 as well (ZeRO-1: the optimizer state only)
-    assert expert_state_bytes_per_rank(n, zero=z3, ep=2, dp_shard=4, shard_over_efsdp=True, **kw).total == 600 * 8
-    assert expert_state_bytes_per_rank(n, zero=z1, ep=2, dp_shard=4, shard_over_efsdp=True, **kw).total == (
-        600 * 4 + 600 * 12 // 2)
+    assert expert_state_bytes_per_rank(n, zero=z1, ep=2, dp_shard=4, shard_over_efsdp=False, **kw).total == 600 * 16
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch bytes
@@ -266,10 +266,17 @@ def test_mixtral_on_16_gpus_json_has_the_moe_keys() -> None:
     # stage 3 over efsdp=2 (ring fraction 1/2): bf16 params gathered in forward and backward, bf16 grads scattered
     assert comm["efsdp all-gather (params, fwd+bwd) of the experts"] == ("efsdp", 2 * (experts // 8) * 2 // 2)
     assert comm["efsdp reduce-scatter (grads) of the experts"] == ("efsdp", (experts // 8) * 2 // 2)
-    # ZeRO-1 keeps each rank's expert whole on both efsdp ranks and all-reduces its gradient over them
+    # ZeRO-1 keeps each rank's expert parameters whole, splits their optimizer state over the efsdp=2 ranks:
+    # bf16 grads reduce-scattered and bf16 params all-gathered over them, ring fraction 1/2
     z1 = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--zero-stage", "1")
     assert z1["per_rank"]["expert_param_bytes"] == experts // 8 * 2
-    assert {c["name"]: c["axis"] for c in z1["comm"]["collectives"]}["edp all-reduce (expert grads)"] == "edp"
+    assert z1["per_rank"]["expert_model_state_bytes"] == experts // 8 * (4 + 12 // 2)
+    z1_comm = {c["name"]: (c["axis"], c["bytes_per_step"]) for c in z1["comm"]["collectives"]}
+    assert z1_comm["efsdp reduce-scatter (grads) of the experts"] == ("efsdp", (experts // 8) * 2 // 2)
+    assert z1_comm["efsdp all-gather (params) of the experts"] == ("efsdp", (experts // 8) * 2 // 2)
+    # ZeRO-0 keeps each rank's expert whole on both efsdp ranks and all-reduces its gradient over them
+    z0 = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--zero-stage", "0")
+    assert {c["name"]: c["axis"] for c in z0["comm"]["collectives"]}["edp all-reduce (expert grads)"] == "edp"
     # left unset, the tree picks FSDP + EP8 itself (experts are 97% of the parameters)
     auto = _plan("--model", "mixtral-8x7b", "--gpus", "16")
     assert (auto["layout"]["ep"], auto["recommendation"]["ep"], auto["layout"]["tp"]) == (8, 8, 1)

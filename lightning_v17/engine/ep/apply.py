@@ -6,9 +6,11 @@ experts' gradients reduced once, over the ranks that hold the same experts.
 ``dp_shard = efsdp x ep``, ep innermost, so the ``ep`` ranks of one group are consecutive ``dp_shard`` ranks and
 each of them trains on its own batch. Everything that is not an expert keeps the dense mesh (ZeRO over
 ``dp_shard``, replicas over ``dp_replicate``). The expert-data-parallel ranks ``edp = dp_replicate x efsdp`` hold
-the same experts: at ZeRO-3 with ``efsdp > 1`` FSDP2 shards them further over ``efsdp`` and reduces their gradients
-(``engine/zero/fsdp.py``, ``apply_fsdp(expert_mesh=)``); otherwise they are outside the ZeRO partition (stages 0-2)
-and outside FSDP2 (``ignored_params``), replicated over ``edp``, and reduced here.
+the same experts: with ``efsdp > 1`` ZeRO partitions them further over ``efsdp`` and reduces their gradients, at
+ZeRO-3 as FSDP2 units of their own (``engine/zero/fsdp.py``, ``apply_fsdp(expert_mesh=)``), at ZeRO-1/2 in an
+expert ZeRO engine (``engine/zero/stages_0_2.py``, ``ZeroEngine(experts=True)``); otherwise (ZeRO-0, or
+``efsdp = 1``) they are outside the ZeRO partition and outside FSDP2 (``ignored_params``), replicated over ``edp``,
+and reduced here.
 
 The gradient of a local expert is, after backward, the sum over the tokens that every rank of the ep group sent it
 (the all-to-all's backward adds nothing else). :class:`ExpertGradSync` (or FSDP2's reduce-scatter at ZeRO-3 over

@@ -120,14 +120,22 @@ class ZeroBackend:
         finally:
             sync.require_grad_sync = prev
 
+    def _engines(self) -> list[ZeroEngine]:
+        """The stage 0-2 engines: the dense one, and the experts' (their rows over efsdp) when there is one."""
+        if self.engine is None:
+            return []
+        return [self.engine] + ([self.engine.expert_engine] if self.engine.expert_engine is not None else [])
+
     def _no_sync(self) -> Generator[None, None, None]:
         if self.engine is not None:
-            prev = self.engine.require_grad_sync
-            self.engine.require_grad_sync = False
+            prev = [(e, e.require_grad_sync) for e in self._engines()]
+            for e, _ in prev:
+                e.require_grad_sync = False
             try:
                 yield
             finally:
-                self.engine.require_grad_sync = prev
+                for e, value in prev:
+                    e.require_grad_sync = value
         else:
             fsdp_engine.set_requires_gradient_sync(self.module, False)
             try:
@@ -144,14 +152,15 @@ class ZeroBackend:
     def require_grad_sync(self, value: bool) -> None:
         if self.engine is None:
             raise RuntimeError("stage 3 synchronises per FSDP unit; use no_sync()")
-        self.engine.require_grad_sync = value
+        for e in self._engines():
+            e.require_grad_sync = value
         if self.expert_sync is not None:
             self.expert_sync.require_grad_sync = value
 
     def finish_grad_sync(self) -> None:
         """Reduce the gradients accumulated while ``require_grad_sync`` was False (stages 0-2; the experts' too)."""
-        if self.engine is not None:
-            self.engine.finish_grad_sync()
+        for e in self._engines():
+            e.finish_grad_sync()
         if self.expert_sync is not None:
             self.expert_sync.finish_grad_sync()
 
@@ -173,10 +182,10 @@ class ZeroBackend:
                 parameters, or over tensor-parallel parameters (:class:`~lightning_v17.engine.zero.owner_step.OwnerStep`).
         """
         optimizers = list(optimizers)
-        if self.engine is not None:
-            self.engine.choose_partition(optimizers)
+        for e in self._engines():  # the dense engine first: it checks every parameter the optimizers hold
+            e.choose_partition(optimizers)
             for opt in optimizers:
-                self.engine.shard_optimizer(opt)
+                e.shard_optimizer(opt)
         params = self.param_offload if self.param_offload is not None and not self.param_offload.closed else None
         owner_steps: list[Any] = []
         if self.engine is None:
@@ -260,7 +269,8 @@ class ZeroBackend:
         the replicated parameters. Only that optimizer's: with several (a GAN), the others' parameters are left
         untouched, and a graph built through them still back-propagates. None: every parameter."""
         if self.engine is not None:
-            self.engine.gather_params(optimizer)
+            for e in self._engines():
+                e.gather_params(optimizer)
         else:  # stage 3, a step inside a step hook (manual optimization): the root's own parameters gathered anew
             fsdp_engine.after_optimizer_step(self.module, optimizer)
 
@@ -318,5 +328,6 @@ class ZeroBackend:
         if self.param_offload is not None:
             self.param_offload.close()  # every shard back in memory: after fit the model is plain FSDP2 again
         if self.engine is not None:
-            self.engine.remove()
+            for e in self._engines():
+                e.remove()
             self.active = False

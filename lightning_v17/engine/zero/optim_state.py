@@ -34,6 +34,23 @@ class ShardedOptimizerState:
     shard_mesh: Any
     owner_mode: bool
     expert_fqns: dict[int, str]
+    expert_engine: Any
+
+    def _engines(self) -> list[Any]:
+        return [self] + ([self.expert_engine] if self.expert_engine is not None else [])
+
+    def _entry(self, p: torch.Tensor) -> tuple[Any, _Param] | None:
+        """(the engine whose partition holds optimizer parameter ``p``, its entry), or None for an expert weight
+        stepped whole (outside every partition)."""
+        for eng in self._engines():
+            e = eng.by_shard.get(id(p))
+            if e is not None:
+                return eng, e
+        return None
+
+    def _fqn_of(self, p: torch.Tensor) -> str:
+        hit = self._entry(p)
+        return hit[1].fqn if hit is not None else self.expert_fqns[id(p)]
 
     @torch.no_grad()
     def _gather_piece(self, e: _Param, t: torch.Tensor) -> torch.Tensor:
@@ -60,53 +77,57 @@ class ShardedOptimizerState:
           only) and described exactly like the parameter itself (its tp mesh and placements, replicated over dp);
           DCP then saves each TP piece once and reshards it to any tp / dp / stage.
         """
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        placements = [Shard(0)] if self.replicas == 1 else [Replicate(), Shard(0)]
         sd = optimizer.state_dict()
         idx_to_fqn: dict[int, str] = {}
         i = 0
         for group in optimizer.param_groups:
             for p in group["params"]:
-                idx_to_fqn[i] = self.by_shard[id(p)].fqn if id(p) in self.by_shard else self.expert_fqns[id(p)]
+                idx_to_fqn[i] = self._fqn_of(p)
                 i += 1
-        by_fqn = {e.fqn: e for e in self.params}
+        by_fqn = {e.fqn: (eng, e) for eng in self._engines() for e in eng.params}
         state: dict[str, Any] = {}
         for idx, st in sd["state"].items():
             fqn = idx_to_fqn[idx]
-            e = by_fqn.get(fqn)
-            if e is None:  # an expert weight sharded over ep: its state is DTensors of that layout already
+            hit = by_fqn.get(fqn)
+            if hit is None:  # an expert weight sharded over ep, stepped whole: its state is DTensors of that layout
                 state[fqn] = dict(st)
                 continue
-            if self.owner_mode:
-                # whole parameters, saved by their owner only (plain tensors, or the TP DTensor of a TP parameter);
-                # DCP reads them back into any layout (rows, FSDP2 shards, another owner). The other ranks' empty
-                # stand-ins hold no state but what _init_optim_state's zero-lr step gave them: not saved.
-                if e.owner == self.rank:
-                    state[fqn] = dict(st)
-                continue
-            tp_param = isinstance(e.param, DTensor)
-            out = {}
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape == e.shard.shape:
-                    if tp_param:
-                        v = DTensor.from_local(
-                            self._gather_piece(e, v),
-                            e.param.device_mesh,
-                            e.param.placements,
-                            run_check=False,
-                            shape=e.param.shape,
-                            stride=e.param.stride(),
-                        )
-                    else:
-                        v = DTensor.from_local(
-                            v, self.shard_mesh, placements, run_check=False, shape=e.param.shape,
-                            stride=e.param.stride(),
-                        )  # fmt: skip
-                out[k] = v
-            state[fqn] = out
+            out = hit[0]._entry_state(hit[1], st)
+            if out is not None:
+                state[fqn] = out
         groups = [{**g, "params": [idx_to_fqn[j] for j in g["params"]]} for g in sd["param_groups"]]
         return {"state": state, "param_groups": groups}
+
+    def _entry_state(self, e: _Param, st: dict[str, Any]) -> dict[str, Any] | None:
+        """One parameter's optimizer state as :meth:`optimizer_state_dict` saves it (None: not saved here)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if self.owner_mode:
+            # whole parameters, saved by their owner only (plain tensors, or the TP DTensor of a TP parameter);
+            # DCP reads them back into any layout (rows, FSDP2 shards, another owner). The other ranks' empty
+            # stand-ins hold no state but what _init_optim_state's zero-lr step gave them: not saved.
+            return dict(st) if e.owner == self.rank else None
+        placements = [Shard(0)] if self.replicas == 1 else [Replicate(), Shard(0)]
+        tp_param = isinstance(e.param, DTensor)
+        out = {}
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape == e.shard.shape:
+                if tp_param:  # a tp (or ep) DTensor: the rows gathered into its local piece, described like it
+                    v = DTensor.from_local(
+                        self._gather_piece(e, v),
+                        e.param.device_mesh,
+                        e.param.placements,
+                        run_check=False,
+                        shape=e.param.shape,
+                        stride=e.param.stride(),
+                    )
+                else:
+                    v = DTensor.from_local(
+                        v, self.shard_mesh, placements, run_check=False, shape=e.param.shape,
+                        stride=e.param.stride(),
+                    )  # fmt: skip
+            out[k] = v
+        return out
 
     def init_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Give an optimizer that has not stepped yet its state tensors (torch's ``_init_optim_state``: one step with
@@ -116,10 +137,14 @@ class ShardedOptimizerState:
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         groups = [g["params"] for g in optimizer.param_groups]
+
+        def stepped_here(p: torch.Tensor) -> bool:
+            hit = self._entry(p)
+            return hit is None or not hit[0].owner_mode or hit[1].owner == hit[0].rank
+
         try:
-            if self.owner_mode:
-                for g in optimizer.param_groups:
-                    g["params"] = [p for p in g["params"] if self.by_shard[id(p)].owner == self.rank]
+            for g in optimizer.param_groups:
+                g["params"] = [p for p in g["params"] if stepped_here(p)]
             _init_optim_state(optimizer)
         finally:
             for g, params in zip(optimizer.param_groups, groups):
@@ -140,20 +165,21 @@ class ShardedOptimizerState:
         for group in optimizer.param_groups:
             own_groups.append([])
             for p in group["params"]:
-                fqn_to_idx[self.by_shard[id(p)].fqn if id(p) in self.by_shard else self.expert_fqns[id(p)]] = i
+                fqn_to_idx[self._fqn_of(p)] = i
                 own_groups[-1].append(i)
                 i += 1
-        by_fqn = {e.fqn: e for e in self.params}
+        by_fqn = {e.fqn: (eng, e) for eng in self._engines() for e in eng.params}
         state = {}
         for fqn, st in osd["state"].items():
             if fqn not in fqn_to_idx:
                 continue  # another pipeline stage's parameter
-            e = by_fqn.get(fqn)
-            if e is None:  # an expert weight sharded over ep: DTensor states, loaded as they are
+            hit = by_fqn.get(fqn)
+            if hit is None:  # an expert weight sharded over ep, stepped whole: DTensor states, loaded as they are
                 state[fqn_to_idx[fqn]] = dict(st)
                 continue
-            if self.owner_mode:
-                if e.owner == self.rank:  # whole-parameter states, already in the template's layout
+            eng, e = hit
+            if eng.owner_mode:
+                if e.owner == eng.rank:  # whole-parameter states, already in the template's layout
                     state[fqn_to_idx[fqn]] = dict(st)
                 continue
             out = {}

@@ -64,8 +64,6 @@ from lightning_v17.engine.zero.optim_state import ShardedOptimizerState
 __all__ = ["ZeroEngine", "apply_zero", "broadcast_module", "chunk_rows", "is_elementwise_optimizer"]
 
 
-
-
 class ZeroEngine(ShardedOptimizerState):
     """Gradient reduction and optimizer sharding for ZeRO stages 0, 1 and 2 over replicated full parameters.
 
@@ -99,6 +97,12 @@ class ZeroEngine(ShardedOptimizerState):
             as soon as all of its gradients are ready, in bucket order, so it runs while backward computes the
             earlier layers; the end of backward waits for what is still in flight. False: every bucket is
             reduced at the end of backward (the A/B baseline; bitwise the same gradients).
+        experts: False: the engine of every trainable parameter but the experts sharded over ``ep``; True: the
+            engine of those experts alone, whose ``shard_group`` is ``efsdp`` (the ranks that hold the same experts)
+            and whose rows are the rank's local experts (:func:`apply_zero` builds it beside the dense one).
+        grad_divisor: what the summed gradients are divided by (None: the ranks of ``shard_group`` x
+            ``replicate_group``). The experts' engine divides by the whole data-parallel degree, since each expert
+            gradient already sums the tokens of every ep rank (``engine/ep/apply.py``).
     """
 
     def __init__(
@@ -113,6 +117,8 @@ class ZeroEngine(ShardedOptimizerState):
         reduce_dtype: torch.dtype | None = None,
         partition: str = "auto",
         overlap: bool = True,
+        experts: bool = False,
+        grad_divisor: int | None = None,
     ) -> None:
         if partition not in PARTITIONS:
             raise V17ConfigError(f"optimizer_partition={partition!r}; choose one of {list(PARTITIONS)}")
@@ -130,12 +136,18 @@ class ZeroEngine(ShardedOptimizerState):
         self.world = dist.get_world_size(shard_group)
         self.rank = dist.get_rank(shard_group)
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        self.dp = self.world * self.replicas
+        self.dp = grad_divisor or self.world * self.replicas
+        #: True: the engine of the expert weights sharded over ep (their rows over efsdp), beside the dense one
+        self.experts = experts
+        #: the expert weights' engine (:func:`apply_zero` builds it at ep > 1 with efsdp > 1), which the optimizer
+        #: state of the dense one covers too (one optimizer holds both kinds); None without one
+        self.expert_engine: ZeroEngine | None = None
         #: False during accumulation micro-steps: gradients accumulate locally, nothing is communicated.
         self.require_grad_sync = True
         self.overlap = overlap
         self._callback_queued = False
         self._next_launch = 0
+        self._unreduced = False  # a gradient arrived since the last finish_grad_sync
 
         seen: set[int] = set()
         self.params: list[_Param] = []
@@ -145,8 +157,9 @@ class ZeroEngine(ShardedOptimizerState):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            if is_expert_param(p):
-                self.expert_fqns[id(p)] = fqn
+            if is_expert_param(p) != experts:
+                if not experts:
+                    self.expert_fqns[id(p)] = fqn
                 continue
             r = _rows(p.detach())
             start, stop = chunk_rows(r.shape[0], self.world, self.rank)
@@ -210,7 +223,8 @@ class ZeroEngine(ShardedOptimizerState):
         Lion/...); optimizers that need the whole matrix (Shampoo, Adafactor's factored rows/columns) are not
         partitioned exactly and must use stage 0 or 3.
         """
-        if self.stage == 0 or getattr(optimizer, "_v17_zero", None) is self:
+        mark = "_v17_zero_experts" if self.experts else "_v17_zero"
+        if self.stage == 0 or getattr(optimizer, mark, None) is self:
             return optimizer
         if not self._partition_chosen:
             self.choose_partition([optimizer])
@@ -222,6 +236,9 @@ class ZeroEngine(ShardedOptimizerState):
             for p in group["params"]:
                 e = self.by_param.get(id(p))
                 if e is None:
+                    if self.experts:
+                        new.append(p)  # the dense engine's (already checked and sharded by it)
+                        continue
                     if id(p) in self.expert_fqns:
                         new.append(p)  # an expert weight sharded over ep: its rank steps it whole (engine/ep)
                         continue
@@ -241,7 +258,7 @@ class ZeroEngine(ShardedOptimizerState):
                 self.by_shard[id(e.shard)] = e
                 new.append(e.shard)
             group["params"] = new
-        optimizer._v17_zero = self  # type: ignore[attr-defined]
+        setattr(optimizer, mark, self)
         held = {id(e.param) for e in entries}
         if held == set(self.by_param):
             buckets = self.buckets  # the common case, one optimizer over the whole model: the reduction's buckets
@@ -271,6 +288,7 @@ class ZeroEngine(ShardedOptimizerState):
 
     # ------------------------------------------------------------------ gradient reduction
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._unreduced = True
         if not self.require_grad_sync:
             return
         if not self._callback_queued:
@@ -331,8 +349,15 @@ class ZeroEngine(ShardedOptimizerState):
         self._dp_group = group
 
     def finish_grad_sync(self) -> None:
-        """Run at the end of backward (autograd callback): launch what is left, wait, and install the gradients."""
+        """Run at the end of backward (autograd callback): launch what is left, wait, and install the gradients.
+
+        A call with no gradient produced since the last one does nothing (an explicit call after a backward whose
+        callback already reduced: the experts' engine divides by dp over a smaller group, so a second reduction
+        would not be a no-op)."""
         self._callback_queued = False
+        if not self._unreduced:
+            return
+        self._unreduced = False
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
@@ -420,7 +445,9 @@ class ZeroEngine(ShardedOptimizerState):
         """Whether optimizer parameter ``p`` (a shard, or a full parameter at stage 0) is a piece of a DTensor
         parameter that is *sharded* (not replicated) on some mesh axis, i.e. tensor parallel; for clipping."""
         e = self.by_shard.get(id(p)) or self.by_param.get(id(p))
-        placements = getattr(e.param, "placements", ()) if e is not None else ()
+        if e is None or self.experts:  # an expert's rows: over ep, not tp (the experts are whole on every tp rank)
+            return False
+        placements = getattr(e.param, "placements", ())
         return any(pl.is_shard() or pl.is_partial() for pl in placements)
 
     def remove(self) -> None:
@@ -488,6 +515,15 @@ def apply_zero(
         overlap=overlap_comm,
     )
     engine.set_dp_group(submesh(mesh, "dp_shard_cp" if cp else "dp").get_group())
+    experts = expert_shard_mesh(mesh) if stage > 0 else None
+    if experts is not None:  # the experts' rows over efsdp, the ranks that hold the same ones (see ZeroEngine)
+        engine.expert_engine = ZeroEngine(
+            module, stage=stage, shard_group=experts.get_group(experts.ndim - 1),
+            replicate_group=mesh["dp_replicate"].get_group() if replicate else None, shard_mesh=experts,
+            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, partition=optimizer_partition, overlap=overlap_comm,
+            experts=True, grad_divisor=mesh["dp_replicate"].size() * mesh["dp_shard"].size(),
+        )  # fmt: skip
+        engine.expert_engine.set_dp_group(submesh(mesh, "edp").get_group())
     return engine
 
 
