@@ -69,7 +69,8 @@ class Parallelized:
             None without ``policy.fp8``.
         ep: the expert parallelism applied with ep > 1 (``engine.ep.ExpertParallel``), else None.
         activations: the activation offload of ``units`` (``engine.offload.activations.ActivationOffload``) with
-            ``OffloadPolicy(activations="nvme")``, else None; closed (its files removed) by the strategy's teardown.
+            ``OffloadPolicy(activations="nvme"|"cpu")``, else None; closed (its files removed) by the strategy's
+            teardown.
     """
 
     module: nn.Module
@@ -187,9 +188,12 @@ def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: Train
 
 
 
-def _activation_offload(units: list[nn.Module], policy: TrainingPolicy, current: Any = None) -> Any:
-    """``OffloadPolicy(activations="nvme")``: the blocks' saved tensors to the nvme tier, attached after recompute and
-    ZeRO (``engine/offload/activations.py``); ``current`` is kept while it is open (a later fit re-attaches)."""
+def _activation_offload(
+    units: list[nn.Module], policy: TrainingPolicy, device: torch.device | str, current: Any = None
+) -> Any:
+    """``OffloadPolicy(activations=)``: the blocks' saved tensors to the nvme or cpu tier, attached after recompute
+    and ZeRO (``engine/offload/activations.py``), for blocks computing on ``device`` (with ``offload_params`` their
+    shards are on the host); ``current`` is kept while it is open (a later fit re-attaches)."""
     off = policy.offload
     if off.activations == Tier.NONE or (current is not None and not current.closed):
         return current
@@ -198,7 +202,7 @@ def _activation_offload(units: list[nn.Module], policy: TrainingPolicy, current:
     return ActivationOffload(
         units, tier=off.activations, nvme_path=off.nvme_path, min_bytes=int(off.activation_min_kb * 1024),
         resident_blocks=off.resident_blocks, rank=dist.get_rank() if dist.is_initialized() else 0,
-        option="offload.activations",
+        option="offload.activations", device=device,
     )  # fmt: skip
 
 
@@ -292,7 +296,7 @@ def parallelize(
                 done.ep.grad_sync.attach()
                 done.zero.expert_sync = done.ep.grad_sync
         _attach_param_offload(module, done.zero, policy)  # again after a teardown brought the shards back
-        done.activations = _activation_offload(done.units, policy, done.activations)
+        done.activations = _activation_offload(done.units, policy, device, done.activations)
         return done
     spec = mesh.spec
     check_composition(policy, pp=spec.pp, tp=spec.tp, ep=spec.ep, cp=spec.cp, dp_replicate=spec.dp_replicate)
@@ -369,7 +373,7 @@ def parallelize(
         )
     out = Parallelized(
         module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute, fp8_layers=fp8_layers,
-        fp8=fp8, ep=ep, activations=_activation_offload(units, policy),  # 8. the blocks' saved tensors to nvme
+        fp8=fp8, ep=ep, activations=_activation_offload(units, policy, device),  # 8. the blocks' saved tensors to nvme
     )
     module._v17_parallel = out  # type: ignore[assignment]
     return out

@@ -169,6 +169,11 @@ def test_refusals_name_the_option_and_the_reason(tmp_path):
             ActivationOffload(blocks, tier="cpu", nvme_path=tmp_path)
     with pytest.raises(V17ConfigError, match="resident_blocks"):
         ActivationOffload(blocks, nvme_path=tmp_path, resident_blocks=-1)
+    # the compute device, when given, is what the tier is checked against, not where the parameters are (ZeRO-3
+    # offload_params keeps the shards on the host of blocks that compute on the GPU)
+    with pytest.raises(V17ConfigError, match=r"blocks on cpu .*these are on \['cuda:0'\]"):
+        ActivationOffload(blocks, nvme_path=tmp_path, device="cuda:0")
+    ActivationOffload(blocks, nvme_path=tmp_path, device="cpu").close()
 
 
 def test_selective_recompute_offloads_what_it_saves_and_still_recomputes_the_rest(tmp_path):

@@ -277,6 +277,9 @@ class ActivationOffload:
         resident_blocks: the last this many blocks are never offloaded (backward needs them first).
         rank: this process's rank (names its folder).
         option: the user option's name, for error messages.
+        device: the device the blocks compute on; None: the one their parameters are on. Pass it when the
+            parameters live elsewhere between uses (ZeRO-3 ``offload_params="cpu"`` keeps the shards on the host,
+            and gathers them onto the compute device for each block's forward and backward).
 
     Raises:
         V17ConfigError: a missing or unwritable ``nvme_path``, ``"cpu"`` without CUDA, a negative
@@ -287,7 +290,7 @@ class ActivationOffload:
     def __init__(
         self, blocks: Sequence[nn.Module], *, tier: Tier | str = Tier.NVME, nvme_path: str | os.PathLike | None,
         min_bytes: int = DEFAULT_MIN_BYTES, resident_blocks: int = 1, rank: int = 0,
-        option: str = "activation_offload",
+        option: str = "activation_offload", device: torch.device | str | None = None,
     ) -> None:  # fmt: skip
         self.tier = check_activation_tier(tier, option=option)
         path = check_nvme_path(nvme_path, option="nvme_path") if self.tier == Tier.NVME else None
@@ -296,7 +299,10 @@ class ActivationOffload:
             raise V17ConfigError(f"{option}: the model has no repeated blocks to offload; set wrap_classes")
         if resident_blocks < 0 or min_bytes < 0:
             raise V17ConfigError(f"{option}: resident_blocks={resident_blocks} and min_bytes={min_bytes} must be >= 0")
-        devices = {p.device for b in blocks for p in b.parameters()} - {torch.device("meta")}
+        if device is not None:
+            devices = {torch.device(device)}
+        else:
+            devices = {p.device for b in blocks for p in b.parameters()} - {torch.device("meta")}
         want = "cpu" if self.tier == Tier.NVME else "cuda"
         if any(d.type != want for d in devices) or (want == "cuda" and len(devices) != 1):
             raise V17ConfigError(
