@@ -10,6 +10,14 @@
 # (longest seq within a fixed memory budget vs no offload, target >= 1.5) into "measured".
 # MoE: tests/gpu/test_moe_gpu.py puts moe_loop_over_grouped_* (grouped experts vs HF's per-expert eager loop, 8
 # experts, top-2, bf16, forward + backward, target >= 3) into "measured".
+# Long sequences: tests/gpu/test_long_sequence_gpu.py trains the llama3-8b shape (bf16) with full recompute, tiled
+# loss and MLP, activation offload 'cpu' and ZeRO-3 offload_params='cpu', 2 steps at 65536 then 32768 tokens (up to
+# ~4 min), and puts long_seq_peak_gb_<tokens>, long_seq_step_s_<tokens>, long_seq_gb_per_ktoken and
+# long_seq_predicted_max_tokens (where the linear fit of the peak reaches the device memory: a prediction, not a
+# run at that length), long_seq_host_fixed_gb, long_seq_host_bytes_per_token and long_seq_predicted_max_tokens_host
+# into "measured". The full-length run is opt-in and not part of this script: V17_LONGSEQ_FULL=1
+# [V17_LONGSEQ_TOKENS=1300000] .venv/bin/python -m pytest tests/gpu/test_long_sequence_gpu.py -k full
+# records long_seq_full_trained and long_seq_full_peak_gb.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)

@@ -45,6 +45,11 @@ class ModelConfig:
         aux_loss_coef: weight of the sequence-wise balance loss (DeepSeek-V3 eqs. 17-20; Switch's f * P per sequence).
         z_loss_coef: weight of the router z-loss (ST-MoE, Zoph 2022).
         expert_bias_rate: the aux-loss-free balance's update speed u (DeepSeek-V3 §2.1.2); 0: off.
+        mlp_chunk_tokens: tiled MLP (ALST's TiledMLP): the dense blocks' SwiGLU runs this many tokens at a time, each
+            chunk checkpointed, so its ``[tokens, ffn]`` activations exist for one chunk only (forward keeps the
+            MLP's input; backward recomputes chunk by chunk: one more MLP forward per step). The same values; the
+            weight gradients are summed chunk by chunk (a few fp32 ulps). 0: off. Not with tensor parallelism's
+            ``sequence_parallel`` (refused at the first forward). See ``lightning_v17/models/tiled.py``.
     """
 
     vocab_size: int
@@ -70,6 +75,7 @@ class ModelConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     expert_bias_rate: float = 0.0
+    mlp_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq_len"):
@@ -84,6 +90,12 @@ class ModelConfig:
             raise V17ConfigError(f"head_dim={self.hidden // self.heads} must be even for RoPE; change hidden or heads")
         if not 0.0 <= self.dropout < 1.0:
             raise V17ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+        if isinstance(self.mlp_chunk_tokens, bool) or not isinstance(self.mlp_chunk_tokens, int) or (
+            self.mlp_chunk_tokens < 0
+        ):
+            raise V17ConfigError(
+                f"mlp_chunk_tokens={self.mlp_chunk_tokens!r} must be an integer >= 0 (tokens per MLP chunk; 0: off)"
+            )
         self._check_moe()
 
     def _check_moe(self) -> None:

@@ -9,11 +9,15 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
+from lightning_v17.config import V17ConfigError
 from lightning_v17.data.packing import IGNORE_INDEX
+from lightning_v17.engine.zero.fsdp import fsdp_root
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.llama import Llama
 from lightning_v17.models.moe import moe_layers
+from lightning_v17.models.tiled import check_chunk_tokens, head_detached, tiled_next_token_loss
 from lightning_v17.optim.factory import OptimizerName, build_optimizer
 
 
@@ -64,6 +68,13 @@ class LlamaLM(L.LightningModule):
             ``adafactor``, ``lion``, ``lion8bit``) or a ``{"class_path": ..., "init_args": {...}}`` spec naming any
             optimizer class. ``lr``, ``betas``, ``eps`` and ``weight_decay`` above are passed where the class takes
             them; a spec's ``init_args`` override them. Default: fused AdamW.
+        loss_chunk_tokens: tiled logits + loss (ALST's TiledFusedLogitsLoss, Liger's fused linear cross-entropy):
+            the model returns its final hidden states and the output head and cross-entropy run this many tokens at
+            a time, each chunk checkpointed, so the ``[tokens, vocab]`` logits exist for one chunk only, in forward
+            and in backward (recomputed there: one more head matmul per step). The same ``(mean, count)`` as
+            without; the head's gradient is summed chunk by chunk (a few fp32 ulps). Works with ZeRO, tp (also
+            ``loss_parallel``) and cp; refused with pp > 1, whose schedule computes the loss from the last stage's
+            logits. 0 (default): off. See ``lightning_v17/models/tiled.py``.
     """
 
     def __init__(
@@ -79,6 +90,7 @@ class LlamaLM(L.LightningModule):
         min_lr_ratio: float = 0.1,
         init_seed: int = 0,
         optimizer: str | dict[str, Any] = "adamw",
+        loss_chunk_tokens: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -88,11 +100,21 @@ class LlamaLM(L.LightningModule):
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
         if not isinstance(optimizer, dict):
             OptimizerName.parse(optimizer)  # a bad name fails here, naming the option and the valid names
+        check_chunk_tokens(loss_chunk_tokens, "loss_chunk_tokens")
         self.config = ModelConfig.from_preset(model, **(model_overrides or {}))
         self.model: Llama | None = None
         self._last_step_time: float | None = None
 
     def configure_model(self) -> None:
+        chunk = self.hparams.get("loss_chunk_tokens", 0)
+        mesh = getattr(self, "_device_mesh", None)  # set by the strategy before configure_model
+        pp = mesh["pp"].size() if chunk and mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 1
+        if pp > 1:
+            raise V17ConfigError(
+                f"loss_chunk_tokens={chunk} with pp={pp} is not supported: the pipeline schedule computes the loss on "
+                "the last stage from its whole [tokens, vocab] logits, outside LlamaLM.loss; set loss_chunk_tokens=0 "
+                "with pp > 1, or train with pp=1"
+            )
         if self.model is None:
             self.model = Llama(self.config, init_seed=self.hparams.init_seed)
 
@@ -105,8 +127,26 @@ class LlamaLM(L.LightningModule):
         )
 
     def loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean next-token loss, counted targets) of a packed batch; see :func:`next_token_loss`."""
-        return next_token_loss(self(batch), batch["labels"], batch.get("loss_mask"))
+        """(mean next-token loss, counted targets) of a packed batch; see :func:`next_token_loss`.
+
+        With ``loss_chunk_tokens`` the model runs without its head and
+        :func:`~lightning_v17.models.tiled.tiled_next_token_loss` applies it chunk by chunk: the same pair.
+        """
+        chunk = self.hparams.get("loss_chunk_tokens", 0)
+        if not chunk:
+            return next_token_loss(self(batch), batch["labels"], batch.get("loss_mask"))
+        if self.model is None:
+            self.configure_model()
+        root = fsdp_root(self)
+        if root is not None and root is not self.model and isinstance(self.model, FSDPModule):
+            raise V17ConfigError(
+                f"loss_chunk_tokens={chunk} under ZeRO-3 with manual optimization: the model is then a ZeRO-3 unit of "
+                "its own, whose head is gathered only inside the model's forward, while the tiled loss applies the "
+                "head after it; use automatic optimization, or loss_chunk_tokens=0"
+            )
+        with head_detached(self.model) as head:
+            hidden = self(batch)
+        return tiled_next_token_loss(hidden, head, batch["labels"], batch.get("loss_mask"), chunk_tokens=chunk)
 
     def _dp_size(self) -> int:
         kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None) or {}

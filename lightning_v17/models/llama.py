@@ -25,6 +25,7 @@ from lightning_v17.engine.cp import current_cp_context
 from lightning_v17.models.attention import causal_attention, cu_seqlens_from_position_ids, varlen_attention
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.moe import MoE
+from lightning_v17.models.tiled import tiled_mlp
 
 #: Tensor-parallel roles inside each block (Megatron-LM, Shoeybi 2019 §3): column-parallel projections shard their
 #: output features (heads / MLP width), row-parallel ones shard their input features and end in an all-reduce.
@@ -127,15 +128,27 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` (Shazeer 2020)."""
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` (Shazeer 2020).
+
+    With ``config.mlp_chunk_tokens > 0`` it runs ``mlp_chunk_tokens`` tokens at a time, each chunk checkpointed
+    (:func:`lightning_v17.models.tiled.tiled_mlp`, ALST's TiledMLP): the same values, with the ``[tokens, ffn]``
+    activations of only one chunk alive.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(config.hidden, config.ffn, bias=False)
         self.w2 = nn.Linear(config.ffn, config.hidden, bias=False)
         self.w3 = nn.Linear(config.hidden, config.ffn, bias=False)
+        self.chunk_tokens = config.mlp_chunk_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.chunk_tokens:
+            return tiled_mlp(self.swiglu, x, chunk_tokens=self.chunk_tokens)
+        return self.swiglu(x)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """The untiled MLP on ``x`` [..., h]."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
