@@ -147,7 +147,8 @@ class ZeroEngine(ShardedOptimizerState):
         self.overlap = overlap
         self._callback_queued = False
         self._next_launch = 0
-        self._unreduced = False  # a gradient arrived since the last finish_grad_sync
+        #: the experts' engine reduced since the last gradient hook or parameter gather (see finish_grad_sync)
+        self._reduced = False
 
         seen: set[int] = set()
         self.params: list[_Param] = []
@@ -288,7 +289,7 @@ class ZeroEngine(ShardedOptimizerState):
 
     # ------------------------------------------------------------------ gradient reduction
     def _on_grad(self, p: torch.Tensor) -> None:
-        self._unreduced = True
+        self._reduced = False
         if not self.require_grad_sync:
             return
         if not self._callback_queued:
@@ -351,13 +352,16 @@ class ZeroEngine(ShardedOptimizerState):
     def finish_grad_sync(self) -> None:
         """Run at the end of backward (autograd callback): launch what is left, wait, and install the gradients.
 
-        A call with no gradient produced since the last one does nothing (an explicit call after a backward whose
-        callback already reduced: the experts' engine divides by dp over a smaller group, so a second reduction
-        would not be a no-op)."""
+        The experts' engine reduces once between two optimizer steps: a second call (an explicit one after a
+        backward whose callback already reduced) does nothing until a gradient hook fires or :meth:`gather_params`
+        runs, since its divisor (the whole data-parallel degree) is larger than its group and a second reduction
+        would shrink the gradients again. Not keyed on the hooks alone: a pipeline's zero-bubble schedules
+        accumulate the weight gradients by hand, with no hook. The dense engine's second reduction is a mean of
+        equal values and is left as it was."""
         self._callback_queued = False
-        if not self._unreduced:
+        if self.experts and self._reduced:
             return
-        self._unreduced = False
+        self._reduced = True
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
@@ -406,6 +410,7 @@ class ZeroEngine(ShardedOptimizerState):
     def gather_params(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """All-gather every rank's updated rows into the full parameters (stages 1/2), bucket by bucket: those of
         ``optimizer`` (the one that just stepped), or of every parameter when None or not sharded here."""
+        self._reduced = False  # the next backward's gradients are new (finish_grad_sync)
         if self.stage == 0:
             return
         entries, buckets = self._stepped_by.get(id(optimizer), (self.params, self.buckets))
