@@ -3,7 +3,9 @@ experts a per-expert loop so that nothing but the dispatch is under test), again
 
 * both dispatchers (all-to-all, all-gather) give the expert outputs, the input gradients and the expert weight
   gradients of one process bit for bit, with uneven splits (every row of one rank routed to the other's experts);
-* ZeRO stages 0-3 with ep=2 on 2 ranks, ep=2 x edp=2 and ep=4 on 4 ranks: 4 steps of plain SGD (a gradient off by a
+* ZeRO stages 0-3 with ep=2 on 2 ranks, ep=2 x edp=2 and ep=4 on 4 ranks, and HSDP on 8 ranks (dp_replicate=2 x
+  dp_shard=4, ep=2: efsdp=2, so ZeRO 1-3 partition the experts over efsdp and reduce them over the replicas too,
+  on 8-row batches): 4 steps of plain SGD (a gradient off by a
   constant factor moves the parameters: pytorch#160285) and of AdamW with global-norm clipping at 0.1 (one norm per
   mesh, combined), losses within 1e-6 and parameters within 1e-5 of one process.
 """
@@ -87,11 +89,11 @@ def _net():
     return Net()
 
 
-def _batches():
+def _batches(rows: int = 4):
     import torch
 
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, VOCAB, (4, 9), generator=g) for _ in range(4)]
+    return [torch.randint(0, VOCAB, (rows, 9), generator=g) for _ in range(4)]
 
 
 def _optimizer(name, params):
@@ -106,14 +108,14 @@ def _loss(model, rows):
     return F.cross_entropy(model(rows[:, :-1]).reshape(-1, VOCAB), rows[:, 1:].reshape(-1))
 
 
-def _reference(opt_name: str) -> tuple[list[float], dict]:
+def _reference(opt_name: str, rows: int = 4) -> tuple[list[float], dict]:
     import torch
 
     model = _net()
     opt = _optimizer(opt_name, model.parameters())
     losses = []
-    for rows in _batches():
-        loss = _loss(model, rows)
+    for batch in _batches(rows):
+        loss = _loss(model, batch)
         loss.backward()
         if opt_name == "adamw_clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -123,7 +125,7 @@ def _reference(opt_name: str) -> tuple[list[float], dict]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train_worker(rank: int, world: int, ep: int) -> dict:
+def _train_worker(rank: int, world: int, ep: int, replicate: int = 1) -> dict:
     import torch.distributed as dist
 
     from lightning_v17.config import MeshSpec, TrainingPolicy, ZeroPolicy
@@ -131,17 +133,18 @@ def _train_worker(rank: int, world: int, ep: int) -> dict:
     from lightning_v17.engine.precision import clip_grad_norm_
     from lightning_v17.mesh import MeshRuntime, build_device_mesh
 
-    spec = MeshSpec(dp_shard=world, ep=ep)
+    spec = MeshSpec(dp_replicate=replicate, dp_shard=world // replicate, ep=ep)
     mesh = MeshRuntime(spec, build_device_mesh(spec, device_type="cpu"))
-    per, out = 4 // world, {}
+    rows = max(4, world)
+    per, out = rows // world, {}
     for opt_name, stage in CASES:
         model = _net()
         done = parallelize(model, mesh=mesh, policy=TrainingPolicy(zero=ZeroPolicy(stage=stage)), device="cpu")
         opt = _optimizer(opt_name, model.parameters())
         done.zero.prepare_optimizers([opt])
         losses = []
-        for rows in _batches():
-            loss = _loss(model, rows[per * rank : per * (rank + 1)])
+        for batch in _batches(rows):
+            loss = _loss(model, batch[per * rank : per * (rank + 1)])
             loss.backward()
             done.zero.finish_grad_sync()
             if opt_name == "adamw_clip":
@@ -155,7 +158,12 @@ def _train_worker(rank: int, world: int, ep: int) -> dict:
             losses.append(float(total) / world)
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in model.named_parameters()}  # fmt: skip
-        out[(opt_name, stage)] = {"losses": losses, "params": params,
+        experts = done.zero.engine.expert_engine if done.zero.engine is not None else None
+        # who holds the experts: the expert ZeRO engine's (shard ranks, replicas) at stages 1-2, else the experts'
+        # FSDP2 mesh (stage 3) or None (ZeRO-0, efsdp = 1: ExpertGradSync)
+        held = ((experts.world, experts.replicas) if experts is not None else
+                getattr(getattr(model.layers[0].moe.experts.down_proj, "device_mesh", None), "mesh_dim_names", None))
+        out[(opt_name, stage)] = {"losses": losses, "params": params, "held": held,
                                   "sharded": sorted(n for n, p in model.named_parameters() if _over_ep(p))}
     return out
 
@@ -203,13 +211,14 @@ def _dispatch_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return {name: _reference(name) for name in ("sgd", "adamw_clip")}
+    return {(name, rows): _reference(name, rows) for name in ("sgd", "adamw_clip") for rows in (4, 8)}
 
 
-@pytest.fixture(scope="module", params=[(2, 2), (4, 2), (4, 4)], ids=["ep2", "ep2xedp2", "ep4"])
+@pytest.fixture(scope="module", params=[(2, 2, 1), (4, 2, 1), (4, 4, 1), (8, 2, 2)],
+                ids=["ep2", "ep2xedp2", "ep4", "hsdp2x4_ep2"])  # fmt: skip
 def runs(request) -> tuple[int, list[dict]]:
-    world, ep = request.param
-    return world, spawn(_train_worker, world_size=world, args=(ep,), timeout=400)
+    world, ep, replicate = request.param
+    return world, spawn(_train_worker, world_size=world, args=(ep, replicate), timeout=600)
 
 
 def test_both_dispatchers_equal_one_process_bitwise_with_uneven_splits() -> None:
@@ -231,10 +240,13 @@ def test_ep_training_matches_one_process(runs, references, opt_name, stage) -> N
     import torch
 
     world, results = runs
-    ref_losses, ref_params = references[opt_name]
+    ref_losses, ref_params = references[(opt_name, max(4, world))]
     for rank, res in enumerate(results):
         got = res[(opt_name, stage)]
         assert got["sharded"] == sorted(n for n in ref_params if ".experts." in n), got["sharded"]
+        if world == 8:  # efsdp = 2 with 2 replicas: ZeRO 1-3 partition the experts over efsdp, across the replicas
+            want = {0: ("ep",), 1: (2, 2), 2: (2, 2), 3: ("dp_replicate", "efsdp", "ep")}[stage]
+            assert got["held"] == want, (stage, got["held"])
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-6), (world, rank)
         for name, p in got["params"].items():
             torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-5, msg=f"{world} {rank} {name}")
