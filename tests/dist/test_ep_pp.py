@@ -7,7 +7,10 @@ stage, 2 micro-batches per step) against one process on the concatenated batch, 
 * the unclipped global gradient norm of every step (the stages' gathered full gradients) and the norm the strategy's
   clipping computed equal one process's: each micro-batch's expert gradient accumulates unreduced and is divided by
   dp once, after the schedule (a division per micro-batch, or none, is off by a factor here);
-* tp is absent here, dp rank 1 starts from other random weights and trains the same model.
+* tp is absent here, dp rank 1 starts from other random weights and trains the same model;
+* on 8 ranks, ``V17Strategy(pp=2, ep=2, zero_stage=1, pp_schedule="zb_h1")``: each stage on dp_shard = 4 ranks, so
+  efsdp = 2 and ZeRO-1 partitions the experts over it (the expert engine), under a zero-bubble schedule, whose
+  weight gradients are accumulated by hand (no gradient hook fires): the same checks.
 
 The balance terms are off: under pp the schedule's loss is the last stage's cross-entropy (the balance losses would be
 dropped) and torch's shape inference runs one extra forward on the first step (the expert-bias load would count it),
@@ -25,21 +28,25 @@ from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe, v17
 TOL = 1e-5
 OVERRIDES = {"layers": 2, "dense_layers": 0}
 STRATEGY = {"pp": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}
+STRATEGY_8 = {**STRATEGY, "pp_schedule": "zb_h1"}
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, strategy: dict) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    # ranks = pp x dp_shard (dp innermost): stage 0 on ranks 0, 1, stage 1 on ranks 2, 3
-    return {name: fit_moe(name, world, v17(**STRATEGY), overrides=OVERRIDES, dp_axis_stride=1, stage_ranks=(0, 2))
-            for name in MOE_OPTIMIZERS}  # fmt: skip
+    # ranks = pp x dp_shard (dp innermost): stage 0 on ranks 0 .. world/2 - 1, stage 1 on the others
+    dp = world // 2
+    return {name: fit_moe(name, world, v17(**strategy), overrides=OVERRIDES, dp_axis_stride=1, dp=dp,
+                          stage_ranks=(0, dp)) for name in MOE_OPTIMIZERS}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return spawn(_worker, world_size=4, timeout=400, init_process_group=False)
+@pytest.fixture(scope="module", params=[4, 8], ids=["pp2_dp2", "pp2_dp4_efsdp2_zb"])
+def results(request) -> list[dict]:
+    world = request.param
+    return spawn(_worker, world_size=world, args=(STRATEGY if world == 4 else STRATEGY_8,), timeout=500,
+                 init_process_group=False)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +66,13 @@ def test_ep2_inside_pp2_matches_one_process(results, references, opt_name) -> No
     params: dict[str, torch.Tensor] = {}
     for rank, got in enumerate(results):
         got = got[opt_name]
-        stage = rank // 2
+        stage = rank // (len(results) // 2)
         assert got["experts"] == [f"layers.{stage}.feed_forward.experts.down_proj",
                                   f"layers.{stage}.feed_forward.experts.gate_up_proj"], (rank, got["experts"])
+        if len(results) == 8:  # efsdp = 2: the optimizer steps half of the ep rank's half of each expert weight
+            assert sorted(got["expert_stepped"]) == got["experts"], (rank, got["expert_stepped"])
+            for name, numel in got["expert_stepped"].items():
+                assert numel * 4 == ref["params"][name].numel(), (rank, name, numel)
         assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL), (rank, got["losses"], ref["losses"])
         assert got["norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["norms"], ref["norms"])
         if MOE_OPTIMIZERS[opt_name] is not None:
