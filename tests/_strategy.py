@@ -261,6 +261,9 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
         precision.clip_grad_norm_ = record
     model = module.model
     names = {id(p): n for n, p in model.named_parameters()}
+    opt = trainer.optimizers[0]
+    expert_q = [q for g in opt.param_groups for q in g["params"]
+                if ".experts." in names.get(id(getattr(q, "_v17_param", q)), "")]  # fmt: skip
     return {
         "losses": losses, "norms": norms, "clip_norms": clip_norms,
         "params": {n: full(p) for n, p in model.named_parameters()},
@@ -273,6 +276,11 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
                            for n, p in model.named_parameters() if ".experts." in n},
         # what the optimizer steps of each of them (a ZeRO-1/2 shard views its parameter: ``_v17_param``)
         "expert_stepped": {names[id(getattr(q, "_v17_param", q))]: (q.to_local() if hasattr(q, "to_local") else q).numel()
-                           for g in trainer.optimizers[0].param_groups for q in g["params"]
-                           if ".experts." in names.get(id(getattr(q, "_v17_param", q)), "")},
+                           for q in expert_q},
+        # the optimizer state this rank stores for them (AdamW's moments; the step counter is a scalar), from storage
+        "expert_optimizer_bytes": sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes()
+                                      for q in expert_q for t in opt.state.get(q, {}).values()
+                                      if torch.is_tensor(t) and t.dim() > 0),
+        "expert_param_bytes": sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes()
+                                  for n, p in model.named_parameters() if ".experts." in n),
     }  # fmt: skip
