@@ -2,7 +2,10 @@
 included: saved at ep=2 (2 ranks, ZeRO-1, AdamW, the aux-loss-free bias on), loaded at ep=1 (2 ranks: the experts
 back inside the ZeRO partition, rows over dp_shard) and at ep=4 (4 ranks, one expert per rank) through the
 strategy's own path (``checkpoint.sharded.save_sharded``/``load_sharded`` with ``engine.zero.state_dict``); the next 3
-steps equal the uninterrupted ep=2 run's within 1e-5 (losses, every parameter, the expert biases). ``v17 consolidate``
+steps equal the uninterrupted ep=2 run's within 1e-5 (losses, every parameter, the expert biases). Likewise on 4
+ranks (ep=2 x efsdp=2): a ZeRO-3 save (experts split over efsdp by FSDP2) resumed at ep=1, ep=4, ep=2 on 2 ranks and
+ep=2 x efsdp=2 at ZeRO-1/2 (the experts' ZeRO engine), and a ZeRO-2 save (the experts' optimizer state partitioned
+over efsdp by that engine) resumed at ep=1 (ZeRO-1) and ep=4 (ZeRO-3). ``v17 consolidate``
 writes every expert of the ep=2 checkpoint whole (``[E, ...]``), equal to the weights at the save."""
 
 from __future__ import annotations
@@ -119,12 +122,29 @@ def saved_zero3(tmp_path_factory) -> tuple[str, dict]:
     return root, runs[0]
 
 
-@pytest.mark.parametrize(("world", "ep", "stage"), [(2, 1, 3), (4, 4, 3), (2, 2, 1)],
-                         ids=["ep1-zero3", "ep4-zero3", "ep2-zero1"])  # fmt: skip
+@pytest.mark.parametrize(("world", "ep", "stage"), [(2, 1, 3), (4, 4, 3), (2, 2, 1), (4, 2, 1), (4, 2, 2)],
+                         ids=["ep1-zero3", "ep4-zero3", "ep2-zero1", "ep2xefsdp2-zero1", "ep2xefsdp2-zero2"])  # fmt: skip
 def test_an_efsdp_sharded_checkpoint_resumes_at_another_layout(saved_zero3, world, ep, stage) -> None:
+    _check_resume(saved_zero3, world, ep, stage)
+
+
+@pytest.fixture(scope="module")
+def saved_zero2(tmp_path_factory) -> tuple[str, dict]:
+    """ZeRO-2 at ep=2 on 4 ranks: the experts' optimizer state partitioned over efsdp=2 by the experts' engine."""
+    root = str(tmp_path_factory.mktemp("ep_ckpt2") / "step-3")
+    runs = spawn(_worker, world_size=4, args=(2, root, False, 2), timeout=300)
+    return root, runs[0]
+
+
+@pytest.mark.parametrize(("world", "ep", "stage"), [(2, 1, 1), (4, 4, 3)], ids=["ep1-zero1", "ep4-zero3"])
+def test_an_efsdp_partitioned_zero2_checkpoint_resumes_at_another_layout(saved_zero2, world, ep, stage) -> None:
+    _check_resume(saved_zero2, world, ep, stage)
+
+
+def _check_resume(saved_run: tuple[str, dict], world: int, ep: int, stage: int) -> None:
     import torch
 
-    root, uninterrupted = saved_zero3
+    root, uninterrupted = saved_run
     runs = spawn(_worker, world_size=world, args=(ep, root, True, stage), timeout=300)
     for got in runs:
         assert got["losses"] == pytest.approx(uninterrupted["losses"], rel=TOL, abs=TOL)
