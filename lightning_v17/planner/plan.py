@@ -416,8 +416,8 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     element = lay.precision.activation_bytes
     psi_mp = num_params / (lay.tp * lay.pp)
     shard = lay.dp * lay.cp
-    # At ep > 1 the routed experts leave the ZeRO collectives: their gradients are all-reduced over efsdp, and every
-    # MoE block dispatches its tokens over ep (moe.py).
+    # At ep > 1 the routed experts leave the dense ZeRO collectives: they get their own over efsdp (the stage's at
+    # ZeRO 1-3, an all-reduce at ZeRO-0), and every MoE block dispatches its tokens over ep (moe.py).
     own_experts = shape.expert_params / (lay.tp * lay.pp * lay.ep) if shape is not None and lay.ep > 1 else 0.0
     # Each rank runs m micro-batches per step; with ZeRO-2/3 each one triggers its own reduce-scatter/gathers.
     collectives = list(comm_.dp_comm_bytes(psi_mp - own_experts * lay.ep, zero=lay.zero, dp=shard, grad_bytes=gb,

@@ -5,7 +5,8 @@ experts a per-expert loop so that nothing but the dispatch is under test), again
   gradients of one process bit for bit, with uneven splits (every row of one rank routed to the other's experts);
 * ZeRO stages 0-3 with ep=2 on 2 ranks, ep=2 x edp=2 and ep=4 on 4 ranks, and HSDP on 8 ranks (dp_replicate=2 x
   dp_shard=4, ep=2: efsdp=2, so ZeRO 1-3 partition the experts over efsdp and reduce them over the replicas too,
-  on 8-row batches): 4 steps of plain SGD (a gradient off by a
+  on 8-row batches), and at ep=2 x edp=2 also with the optimizer state on the nvme tier
+  (``OffloadPolicy(optimizer="nvme")``, every expert's state included): 4 steps of plain SGD (a gradient off by a
   constant factor moves the parameters: pytorch#160285) and of AdamW with global-norm clipping at 0.1 (one norm per
   mesh, combined), losses within 1e-6 and parameters within 1e-5 of one process.
 """
@@ -18,6 +19,8 @@ from tests._dist import spawn
 
 E, H, INTER, TOPK, VOCAB = 4, 16, 8, 2, 32
 CASES = [(opt, stage) for opt in ("sgd", "adamw_clip") for stage in (0, 1, 2, 3)]
+#: (optimizer, stage, tier) with the optimizer state offloaded, run in the ep=2 x edp=2 spawn
+OFFLOAD_CASES = [(opt, stage, "nvme") for opt in ("sgd", "adamw_clip") for stage in (1, 2, 3)]
 
 
 
@@ -126,9 +129,12 @@ def _reference(opt_name: str, rows: int = 4) -> tuple[list[float], dict]:
 
 
 def _train_worker(rank: int, world: int, ep: int, replicate: int = 1) -> dict:
+    import tempfile
+
     import torch.distributed as dist
 
-    from lightning_v17.config import MeshSpec, TrainingPolicy, ZeroPolicy
+    from lightning_v17.config import MeshSpec, OffloadPolicy, TrainingPolicy, ZeroPolicy
+    from lightning_v17.engine.offload.handles import offload_of
     from lightning_v17.engine.parallelize import parallelize
     from lightning_v17.engine.precision import clip_grad_norm_
     from lightning_v17.mesh import MeshRuntime, build_device_mesh
@@ -137,11 +143,19 @@ def _train_worker(rank: int, world: int, ep: int, replicate: int = 1) -> dict:
     mesh = MeshRuntime(spec, build_device_mesh(spec, device_type="cpu"))
     rows = max(4, world)
     per, out = rows // world, {}
-    for opt_name, stage in CASES:
+    folder = tempfile.mkdtemp(prefix="v17_ep_offload_")
+    offload_cases = OFFLOAD_CASES if (world, ep, replicate) == (4, 2, 1) else []
+    for opt_name, stage, tier in [(o, s, "none") for o, s in CASES] + offload_cases:
         model = _net()
-        done = parallelize(model, mesh=mesh, policy=TrainingPolicy(zero=ZeroPolicy(stage=stage)), device="cpu")
+        policy = TrainingPolicy(zero=ZeroPolicy(stage=stage), offload=OffloadPolicy(
+            optimizer=tier, nvme_path=folder if tier == "nvme" else None))  # fmt: skip
+        done = parallelize(model, mesh=mesh, policy=policy, device="cpu")
         opt = _optimizer(opt_name, model.parameters())
-        done.zero.prepare_optimizers([opt])
+        done.zero.prepare_optimizers([opt], offload=policy.offload)
+        off = offload_of(opt)
+        # the tier holds every parameter the optimizer steps, the experts' included
+        on_tier = sorted({n for n, p in model.named_parameters() for q in (off.params if off else ())
+                          if getattr(q, "_v17_param", q) is p or q is p})  # fmt: skip
         losses = []
         for batch in _batches(rows):
             loss = _loss(model, batch[per * rank : per * (rank + 1)])
@@ -163,7 +177,10 @@ def _train_worker(rank: int, world: int, ep: int, replicate: int = 1) -> dict:
         # FSDP2 mesh (stage 3) or None (ZeRO-0, efsdp = 1: ExpertGradSync)
         held = ((experts.world, experts.replicas) if experts is not None else
                 getattr(getattr(model.layers[0].moe.experts.down_proj, "device_mesh", None), "mesh_dim_names", None))
-        out[(opt_name, stage)] = {"losses": losses, "params": params, "held": held,
+        if off is not None:
+            off.close()
+        key = (opt_name, stage) if tier == "none" else (opt_name, stage, tier)
+        out[key] = {"losses": losses, "params": params, "held": held, "on_tier": on_tier,
                                   "sharded": sorted(n for n, p in model.named_parameters() if _over_ep(p))}
     return out
 
@@ -250,3 +267,19 @@ def test_ep_training_matches_one_process(runs, references, opt_name, stage) -> N
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-6), (world, rank)
         for name, p in got["params"].items():
             torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-5, msg=f"{world} {rank} {name}")
+
+
+@pytest.mark.parametrize("runs", [(4, 2, 1)], ids=["ep2xedp2"], indirect=True)
+@pytest.mark.parametrize(("opt_name", "stage", "tier"), OFFLOAD_CASES)
+def test_ep_training_with_the_optimizer_state_offloaded_matches_one_process(runs, references, opt_name, stage,
+                                                                            tier) -> None:  # fmt: skip
+    import torch
+
+    _world, results = runs
+    ref_losses, ref_params = references[(opt_name, 4)]
+    for rank, res in enumerate(results):
+        got = res[(opt_name, stage, tier)]
+        assert got["on_tier"] == sorted(ref_params), (rank, got["on_tier"])  # the experts' state on the tier too
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-6), (rank, stage)
+        for name, p in got["params"].items():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-5, msg=f"{rank} {stage} {name}")
