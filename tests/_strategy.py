@@ -204,9 +204,10 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
     import lightning_v17.strategies._precision as precision
     import torch
 
+    from lightning_v17.engine.offload.handles import offload_of
     from lightning_v17.models import LlamaLM, moe_layers, update_expert_biases
 
-    losses, norms, clip_norms, bias_steps = [], [], [], []
+    losses, norms, clip_norms, bias_steps, offloaded = [], [], [], [], []
 
     class Rec(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -220,6 +221,7 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
             bias_steps.append([m.expert_bias.clone() for m in moe_layers(pl_module.model)])
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            offloaded.append(offload_of(optimizer) is not None)  # its state on an offload tier (closed at teardown)
             # before Lightning clips: the unclipped norm, from every parameter's gradient gathered whole
             grads = [full(p.grad).double() for p in pl_module.parameters() if p.grad is not None]
             if not grads:  # ZeRO-2: only the partitions' gradients exist (the clipping's norm is recorded below)
@@ -281,6 +283,7 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
         "expert_optimizer_bytes": sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes()
                                       for q in expert_q for t in opt.state.get(q, {}).values()
                                       if torch.is_tensor(t) and t.dim() > 0),
+        "optimizer_offloaded": offloaded,  # per step: the optimizer's state on an offload tier (engine/offload)
         "expert_param_bytes": sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes()
                                   for n, p in model.named_parameters() if ".experts." in n),
     }  # fmt: skip

@@ -9,7 +9,9 @@ batch, 5 steps:
   gradient by efsdp = 2, not by dp = 4, and so would a ZeRO-1/2 partition over efsdp) and AdamW with gradient clipping that clips at every step: losses, every
   step's unclipped global gradient norm (from the gathered gradients, not at ZeRO-2, which keeps none whole, and as
   the strategy's clipping computed it over the dense and the expert meshes or partitions) and every final parameter within 1e-5 of one process;
-* the balance losses and the aux-loss-free expert bias ride along; the bias equals one process's bit for bit.
+* the balance losses and the aux-loss-free expert bias ride along; the bias equals one process's bit for bit;
+* the front door with the optimizer state offloaded: ``V17Strategy(ep=2, zero_stage=2,
+  offload=OffloadPolicy(optimizer="nvme"))`` with AdamW and clipping, the same checks.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ def _worker(rank: int, world: int) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    import tempfile
+
+    from lightning_v17.config import OffloadPolicy
     from lightning_v17.strategies import V17Strategy
 
-    return {(stage, name): fit_moe(name, world, V17Strategy(ep=2, zero_stage=stage), overrides=OVERRIDES,
-                                   dp_axis_stride=1, dp=4, perturb_odd=False)
-            for stage in STAGES for name in MOE_OPTIMIZERS}  # fmt: skip
+    out = {(stage, name): fit_moe(name, world, V17Strategy(ep=2, zero_stage=stage), overrides=OVERRIDES,
+                                  dp_axis_stride=1, dp=4, perturb_odd=False)
+           for stage in STAGES for name in MOE_OPTIMIZERS}  # fmt: skip
+    offload = OffloadPolicy(optimizer="nvme", nvme_path=tempfile.mkdtemp(prefix="v17_ep_efsdp_"))
+    out[(2, "adamw_clip", "nvme")] = fit_moe("adamw_clip", world, V17Strategy(ep=2, zero_stage=2, offload=offload),
+                                             overrides=OVERRIDES, dp_axis_stride=1, dp=4, perturb_odd=False)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +107,17 @@ def test_expert_bytes_from_storage_match_the_planner(results, references, stage)
     for rank, got in enumerate(results):
         got = got[(stage, "adamw_clip")]
         assert (got["expert_param_bytes"], got["expert_optimizer_bytes"]) == (plan.param, plan.optimizer), rank
+
+
+def test_ep2_zero2_with_the_optimizer_state_on_nvme_matches_one_process(results, references) -> None:
+    ref = references["adamw_clip"]
+    for rank, got in enumerate(results):
+        got = got[(2, "adamw_clip", "nvme")]
+        assert got["optimizer_offloaded"] == [True] * len(ref["losses"]), got["optimizer_offloaded"]
+        assert not any(results[rank][(2, "adamw_clip")]["optimizer_offloaded"])
+        assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL), (rank, got["losses"], ref["losses"])
+        assert got["clip_norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["clip_norms"])
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], want, rtol=TOL, atol=TOL, msg=f"rank {rank} {name}")
+        for b, want in zip(got["biases"], ref["biases"]):
+            assert torch.equal(b, want), (rank, b, want)
