@@ -323,8 +323,9 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
     zero = rec.zero if train.zero is None else train.zero
     sp = (tp > 1) if train.sp is None else train.sp
     ep = train.ep
-    if ep is None:  # the tree's expert parallelism, where V17Strategy composes it: data parallelism alone
-        plain = tp == pp == cp == 1 and train.offload_optimizer == train.offload_params == Tier.NONE
+    if ep is None:  # the tree's expert parallelism, on the layouts its recipe is for: data parallelism alone (the
+        # rules refuse ep with cp and with parameter offload; optimizer offload composes with it)
+        plain = tp == pp == cp == 1 and train.offload_params == Tier.NONE
         ep = moe_.recommend_ep(model.shape.num_experts, dp_shard=dp) if rec.ep > 1 and plain else 1
     cp_mode = None
     if cp > 1 and model.shape is not None:

@@ -130,7 +130,7 @@ def recommend(
     if ep > 1:
         reason = (f"MoE, the routed experts hold {expert_params / num_params:.0%} of the parameters: FSDP FULL_SHARD "
                   f"(ZeRO-3) over all ranks + EP={ep} ({num_experts // ep} of {num_experts} experts per rank), ep folded out of dp "
-                  f"(torchtitan, Megatron-core parallel folding; V17Strategy composes ep with data parallelism only)")
+                  f"(torchtitan, Megatron-core parallel folding)")
         tp, pp, zero = 1, 1, ZeroPolicy(stage=3)
     elif num_params <= SMALL_MODEL_PARAMS:
         reason = "≤10B parameters: FSDP FULL_SHARD (ZeRO-3) over all ranks, no TP/PP (design §17.4)"

@@ -308,3 +308,10 @@ def test_ep_with_tp_is_planned_and_warned_from_the_rules() -> None:
     assert any(w.startswith("ep=2 with sequence_parallel") for w in out["recommendation"]["warnings"])
     out = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "2", "--no-sp")
     assert not any("not implemented" in w for w in out["recommendation"]["warnings"])
+
+
+def test_the_tree_keeps_ep_with_optimizer_offload_and_drops_it_with_parameter_offload() -> None:
+    """V17Strategy steps the experts' optimizer state on the offload tier, but its parameter tier does not move the
+    experts (rule ep_without_param_offload): the tree's ep follows."""
+    assert _plan("--model", "mixtral-8x7b", "--gpus", "16", "--offload-optimizer", "cpu")["layout"]["ep"] == 8
+    assert _plan("--model", "mixtral-8x7b", "--gpus", "16", "--offload-params", "cpu")["layout"]["ep"] == 1
