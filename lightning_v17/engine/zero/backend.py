@@ -122,9 +122,7 @@ class ZeroBackend:
 
     def _engines(self) -> list[ZeroEngine]:
         """The stage 0-2 engines: the dense one, and the experts' (their rows over efsdp) when there is one."""
-        if self.engine is None:
-            return []
-        return [self.engine] + ([self.engine.expert_engine] if self.engine.expert_engine is not None else [])
+        return self.engine._engines() if self.engine is not None else []
 
     def _no_sync(self) -> Generator[None, None, None]:
         if self.engine is not None:

@@ -37,6 +37,7 @@ class ShardedOptimizerState:
     expert_engine: Any
 
     def _engines(self) -> list[Any]:
+        """This engine and the experts' (their rows over efsdp) when there is one."""
         return [self] + ([self.expert_engine] if self.expert_engine is not None else [])
 
     def _entry(self, p: torch.Tensor) -> tuple[Any, _Param] | None:
@@ -78,17 +79,12 @@ class ShardedOptimizerState:
           DCP then saves each TP piece once and reshards it to any tp / dp / stage.
         """
         sd = optimizer.state_dict()
-        idx_to_fqn: dict[int, str] = {}
-        i = 0
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                idx_to_fqn[i] = self._fqn_of(p)
-                i += 1
-        by_fqn = {e.fqn: (eng, e) for eng in self._engines() for e in eng.params}
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # state_dict's index order
+        idx_to_fqn = {i: self._fqn_of(p) for i, p in enumerate(params)}
         state: dict[str, Any] = {}
         for idx, st in sd["state"].items():
             fqn = idx_to_fqn[idx]
-            hit = by_fqn.get(fqn)
+            hit = self._entry(params[idx])
             if hit is None:  # an expert weight sharded over ep, stepped whole: its state is DTensors of that layout
                 state[fqn] = dict(st)
                 continue
