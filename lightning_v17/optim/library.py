@@ -4,10 +4,11 @@ Every class steps DTensor parameters (FSDP2 shards at ZeRO-3, tensor-parallel pi
 (:class:`~lightning_v17.optim.local_step.LocalShardStep`) and declares ``v17_kind`` and ``v17_elementwise``.
 
 The backends are imported when a class is first instantiated, not when this module is: bitsandbytes takes ~8 s to
-import here and DeepSpeed's CPU-Adam JIT-compiles (35-110 s) on first use. A public class whose backend is chosen at
-construction (CPU-Adam: DeepSpeed or the fused-torch fallback; Adam8bit: bitsandbytes or torchao; Lion: bitsandbytes)
-returns an instance of a private subclass that also inherits the backend class, so ``isinstance(opt, Lion)`` holds and
-the backend's own ``step``/``state_dict`` run.
+import here and DeepSpeed's CPU-Adam JIT-compiles (35-110 s) on first use. All three are optional (extras of the
+package): a missing one raises ``MissingExtraError`` naming the extra, except DeepSpeed for CPU-Adam, which falls back
+to fused AdamW. A public class whose backend is chosen at construction (CPU-Adam: DeepSpeed or the fused-torch
+fallback; Adam8bit: bitsandbytes or torchao; Lion: bitsandbytes) returns an instance of a private subclass that also
+inherits the backend class, so ``isinstance(opt, Lion)`` holds and the backend's own ``step``/``state_dict`` run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from lightning_v17._extras import MissingExtraError, require
 from lightning_v17.config import V17ConfigError
 from lightning_v17.optim.factory import OptimizerName
 from lightning_v17.optim.local_step import LocalShardStep
@@ -128,13 +130,14 @@ def cpu_adam_unavailable() -> str | None:
     """None when DeepSpeed's ``cpu_adam`` op loads (JIT-built once, 35-110 s here, then cached in
     ``~/.cache/torch_extensions``), else the reason it cannot. Cached per process."""
     try:
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-
-        builder = CPUAdamBuilder()
+        op_builder = require("deepspeed.ops.op_builder", feature="CPUAdam (DeepSpeed's cpu_adam op)")
+        builder = op_builder.CPUAdamBuilder()
         if not builder.is_compatible(verbose=False):
             return "DeepSpeed reports the cpu_adam op incompatible with this system"
         builder.load(verbose=False)
         return None
+    except MissingExtraError as err:  # deepspeed is not installed: its message names the extra
+        return str(err)
     except Exception as err:  # noqa: BLE001 - any build failure selects the fallback
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
@@ -267,8 +270,7 @@ class Adam8bit(_Dispatching):
 
 @functools.cache
 def _bnb_class(public: type, bnb_name: str, name: str) -> type:
-    import bitsandbytes as bnb
-
+    bnb = require("bitsandbytes", feature=f"{public.__name__} (bitsandbytes' {bnb_name})")
     base = getattr(bnb.optim, bnb_name)
 
     def build(self: Any, params: Any, **kw: Any) -> None:
@@ -375,7 +377,7 @@ def _requantize_loaded_8bit(self: Any) -> None:
 
 @functools.cache
 def _torchao_adam8bit() -> type:
-    from torchao.optim import AdamW8bit
+    AdamW8bit = require("torchao.optim", feature="Adam8bit(backend='torchao')").AdamW8bit
 
     def build(self: Any, params: Any, *, min_8bit_size: int, **kw: Any) -> None:
         AdamW8bit.__init__(self, params, **kw)  # torchao quantizes tensors of >= 4096 elements (fixed)

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_v17._extras import require_installed
 from lightning_v17.config import FP8Backend, FP8Policy, FP8Recipe, V17ConfigError
 
 __all__ = [
@@ -95,10 +96,16 @@ def resolve_fp8_backend(policy: FP8Policy, device: torch.device | str) -> FP8Bac
     path is not implemented yet, and "auto" must never pick a path that then refuses to run (once it exists, "auto"
     will pick Transformer Engine where it is installed and the device has FP8 tensor cores, compute capability >= 8.9).
 
+    torchao is an optional extra; the "delayed" recipe is ours and runs without it.
+
     Raises:
         V17ConfigError: ``fp8_backend='te'`` where Transformer Engine cannot run, naming the reason and the fix.
+        MissingExtraError: torchao is needed (recipe "tensorwise" or "rowwise") and not installed.
     """
     if policy.backend in (FP8Backend.TORCHAO, FP8Backend.AUTO):
+        if policy.recipe != FP8Recipe.DELAYED:
+            feature = f"fp8={policy.recipe.value!r} (torchao's Float8Linear; fp8='delayed' needs no torchao)"
+            require_installed("torchao", feature=feature)
         return FP8Backend.TORCHAO
     ok, why = transformer_engine_status(device)
     if not ok:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_v17._extras import require
 from lightning_v17.engine.offload.nvme import host_buffer, submit_io
 
 __all__ = ["AioIO", "aio_backend_or_reason", "prebuild"]
@@ -54,9 +55,8 @@ def _aio_module():
             continue
     else:
         raise RuntimeError(f"libaio is not installed (none of {', '.join(_LIBAIO)} loads); install libaio-dev")
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    builder = AsyncIOBuilder()
+    op_builder = require("deepspeed.ops.op_builder", feature="the nvme tier's libaio backend (DeepSpeed's async_io op)")
+    builder = op_builder.AsyncIOBuilder()
     if not builder.is_compatible(verbose=False):
         raise RuntimeError("DeepSpeed's async_io op is not compatible here (libaio-dev is missing)")
     return builder.load(verbose=False)
