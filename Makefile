@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine: `make run` and `make test`.
 # torch comes first and pinned (the CPU wheel on disk); deepspeed is built against it without build isolation,
-# otherwise its build env pulls another torch.
+# otherwise its build env pulls another torch. pyproject.toml states ranges (lightning-v17 is a library); the exact
+# versions this set-up installs are pinned in constraints.txt.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,12 +10,12 @@ STAMP := $(VENV)/.installed
 .PHONY: run test test-fault bench venv lint clean
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=23" setuptools wheel
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation deepspeed==0.19.8
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt --no-build-isolation deepspeed
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,all]'
 	# litgpt 0.5.13 pins huggingface-hub<1.4 (transformers >= 5.4 needs a newer one); without its pins it runs as is.
 	$(PY) -m pip install -q --no-deps litgpt==0.5.13
 	# megatron-core 0.16.1 (the last cp311 wheel): the reference the token-file tests compare with, kept out of the env.
