@@ -8,11 +8,13 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_v17.config import V17ConfigError
 from lightning_v17.data.packing import IGNORE_INDEX
+from lightning_v17.engine.ep.balance import balanced_layers, step_expert_biases
 from lightning_v17.engine.zero.fsdp import fsdp_root
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.llama import Llama
@@ -104,6 +106,7 @@ class LlamaLM(L.LightningModule):
         self.config = ModelConfig.from_preset(model, **(model_overrides or {}))
         self.model: Llama | None = None
         self._last_step_time: float | None = None
+        self._bias_step: int | None = None  # the global step whose expert-bias update has been applied
 
     def configure_model(self) -> None:
         chunk = self.hparams.get("loss_chunk_tokens", 0)
@@ -177,6 +180,39 @@ class LlamaLM(L.LightningModule):
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None
 
+    def on_train_start(self) -> None:
+        self._bias_step = self.trainer.global_step
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Lightning's step, then the MoE layers' expert bias (:meth:`step_expert_biases`), under every strategy."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.step_expert_biases()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Manual optimization steps inside training_step, without optimizer_step above: update once the global step
+        # has advanced (not after a batch that only accumulated).
+        if not self.automatic_optimization and self.trainer.global_step != self._bias_step:
+            self._bias_step = self.trainer.global_step
+            self.step_expert_biases()
+
+    def step_expert_biases(self) -> None:
+        """DeepSeek-V3's aux-loss-free bias update (§2.1.2) of every MoE layer; called once per optimizer step.
+
+        The load is what the layers counted since the last update: every micro-batch of the step (gradient
+        accumulation), summed over the data-parallel ranks (``strategy.mesh.group("dp")`` under V17Strategy, every
+        rank under Lightning's ddp, none on one device), so every rank moves its bias the same way. Lightning calls
+        it from :meth:`optimizer_step` (manual optimization: from ``on_train_batch_end`` after a step); a subclass
+        overriding ``optimizer_step``, ``on_train_start`` or ``on_train_batch_end`` calls ``super()``. A plain
+        PyTorch loop calls :func:`lightning_v17.models.update_expert_biases` instead.
+        """
+        if self.model is None:
+            return
+        layers = balanced_layers(self.model)
+        strategy = self.trainer.strategy
+        if not layers or getattr(strategy, "_balanced", None):
+            return  # a strategy that keeps its own list of these layers updates them in its optimizer_step
+        step_expert_biases(layers, group=_data_parallel_group(strategy))
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         loss, _ = self.loss(batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
@@ -219,3 +255,14 @@ class LlamaLM(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _data_parallel_group(strategy: Any) -> Any:
+    """The ranks whose batches differ: the mesh's ``dp`` axis when the strategy has a device mesh (V17Strategy), else
+    every rank (Lightning's ddp), else None (one process)."""
+    mesh = getattr(strategy, "mesh", None)
+    if callable(getattr(mesh, "group", None)):
+        return mesh.group("dp")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None

@@ -252,7 +252,10 @@ def moe_layers(module: nn.Module) -> list[MoE]:
 
 def update_expert_biases(module: nn.Module, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> None:
     """One bias update for every MoE layer of ``module``: the loads stacked, ``all_reduce`` (if given) summing them
-    in place over the data-parallel ranks, then each layer's :meth:`MoE.update_expert_bias`."""
+    in place over the data-parallel ranks, then each layer's :meth:`MoE.update_expert_bias`.
+
+    A plain PyTorch loop calls it after each ``optimizer.step()``; ``LlamaLM`` does so itself under any Lightning
+    strategy (``LlamaLM.step_expert_biases``)."""
     layers = moe_layers(module)
     if not layers:
         return

@@ -4,7 +4,8 @@ over every data-parallel rank, so that the bias is the same on every rank, bit f
 
 The MoE layer counts its routed tokens itself (``expert_load``, not while activation checkpointing recomputes a
 forward) and applies the update (``update_expert_bias(total_load)``); here the loads of all layers are summed over
-the ranks with one all-reduce and handed back.
+the ranks with one all-reduce and handed back. The reference LightningModule calls it after each optimizer step
+under any strategy (``LlamaLM.step_expert_biases``), over that strategy's data-parallel ranks.
 """
 
 from __future__ import annotations
