@@ -100,7 +100,7 @@ def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
     if offload.activations == Tier.CPU:
         from lightning_v17.engine.offload.activations import check_activation_tier
 
-        check_activation_tier(offload.activations, option="offload.activations")  # CUDA only: refused here, now
+        check_activation_tier(offload.activations)  # CUDA only: refused here, now
     recompute = given["activation_checkpointing"]
     policy = replace(
         base,

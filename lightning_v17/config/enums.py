@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from lightning_v17.config.errors import V17ConfigError, parse_enum
+from lightning_v17.config.errors import V17ConfigError, parse_enum, spell
 
 
 class Axis(StrEnum):
@@ -44,7 +44,7 @@ class Dispatcher(StrEnum):
     ALLGATHER = "allgather"
 
     @classmethod
-    def parse(cls, value: Any, option: str = "ep.dispatcher") -> Dispatcher:
+    def parse(cls, value: Any, option: str = "EPPolicy(dispatcher=...)") -> Dispatcher:
         return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
@@ -56,9 +56,9 @@ class CPMode(StrEnum):
     ALLGATHER = "allgather"
 
     @classmethod
-    def parse(cls, value: Any, option: str = "cp.mode") -> CPMode:
+    def parse(cls, value: Any, option: str = "CPPolicy(mode=...)") -> CPMode:
         if isinstance(value, str) and value.strip().lower() == "ring":
-            raise V17ConfigError(f"{option}='ring' (ring attention) is not built; use 'ulysses' or 'allgather'")
+            raise V17ConfigError(f"{spell(option, 'ring')} (ring attention) is not built; use 'ulysses' or 'allgather'")
         return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
@@ -70,7 +70,7 @@ class CPBalance(StrEnum):
     PACKED = "packed"
 
     @classmethod
-    def parse(cls, value: Any, option: str = "cp.balance") -> CPBalance:
+    def parse(cls, value: Any, option: str = "CPPolicy(balance=...)") -> CPBalance:
         return parse_enum(cls, value, option=option)  # type: ignore[return-value]
 
 
@@ -88,7 +88,7 @@ class Schedule(StrEnum):
     ZBV = "zbv"
 
     @classmethod
-    def parse(cls, value: Any, option: str = "pp_schedule") -> Schedule:
+    def parse(cls, value: Any, option: str = "PipelinePolicy(schedule=...)") -> Schedule:
         aliases = {"interleaved": cls.INTERLEAVED_1F1B, "interleaved_zero_bubble": cls.ZERO_BUBBLE}
         if isinstance(value, str) and value.strip().lower() in aliases:
             return aliases[value.strip().lower()]
@@ -103,7 +103,7 @@ class Tier(StrEnum):
     NVME = "nvme"
 
     @classmethod
-    def parse(cls, value: Any, option: str = "offload") -> Tier:
+    def parse(cls, value: Any, option: str = "OffloadPolicy(<tier>=...)") -> Tier:
         if value is None or value is False:
             return cls.NONE
         return parse_enum(cls, value, option=option)  # type: ignore[return-value]

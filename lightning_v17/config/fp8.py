@@ -84,25 +84,27 @@ class FP8Policy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", parse_enum(FP8Recipe, self.recipe, option="fp8"))
-        object.__setattr__(self, "backend", parse_enum(FP8Backend, self.backend, option="fp8_backend"))
+        object.__setattr__(self, "backend", parse_enum(FP8Backend, self.backend, option="FP8Policy(backend=...)"))
         if isinstance(self.skip, str):
-            raise V17ConfigError(f"fp8_skip={self.skip!r} must be a list of FQN patterns, e.g. [{self.skip!r}]")
+            raise V17ConfigError(f"FP8Policy(skip={self.skip!r}) must be a list of FQN patterns, e.g. [{self.skip!r}]")
         object.__setattr__(self, "skip", tuple(str(s) for s in self.skip))
         if self.amax_history_len is not None:
             if self.recipe != FP8Recipe.DELAYED:
                 raise V17ConfigError(
-                    f"fp8_amax_history_len={self.amax_history_len} applies only to fp8='delayed' (got fp8="
-                    f"{self.recipe.value!r}, whose scales are dynamic); set fp8='delayed' or drop it"
+                    f"FP8Policy(amax_history_len={self.amax_history_len}) applies only to the 'delayed' recipe (got "
+                    f"{self.recipe.value!r}, whose scales are dynamic); set FP8Policy(recipe='delayed') or drop it"
                 )
             if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) or (
                 self.amax_history_len < 1
             ):
-                raise V17ConfigError(f"fp8_amax_history_len={self.amax_history_len!r} must be a positive integer")
+                raise V17ConfigError(
+                    f"FP8Policy(amax_history_len={self.amax_history_len!r}) must be a positive integer"
+                )
         if self.all_gather and self.recipe != FP8Recipe.TENSORWISE:
             raise V17ConfigError(
-                f"fp8_all_gather=True needs fp8='tensorwise' (got fp8={self.recipe.value!r}): torchao gathers one "
-                "float8 copy of each weight, and a rowwise weight is quantized along a different dim for each of its "
-                "GEMMs; use fp8='tensorwise', or fp8_all_gather=None/False"
+                f"FP8Policy(all_gather=True) needs the 'tensorwise' recipe (got {self.recipe.value!r}): torchao "
+                "gathers one float8 copy of each weight, and a rowwise weight is quantized along a different dim for "
+                "each of its GEMMs; use FP8Policy(recipe='tensorwise'), or all_gather=None/False"
             )
 
     @property
@@ -127,17 +129,17 @@ class FP8Policy:
         None/False.
 
         Raises:
-            V17ConfigError: an unknown recipe or backend, or ``fp8_backend``/``fp8_skip``/``fp8_all_gather``/
-                ``fp8_amax_history_len`` without fp8.
+            V17ConfigError: an unknown recipe or backend, or ``backend``/``skip``/``all_gather``/``amax_history_len``
+                without fp8.
         """
         if fp8 is None or fp8 is False:
-            backend = parse_enum(FP8Backend, backend, option="fp8_backend")
-            unused = [n for n, on in (("fp8_backend", backend != FP8Backend.AUTO), ("fp8_skip", bool(skip)),
-                                      ("fp8_all_gather", all_gather is not None),
-                                      ("fp8_amax_history_len", amax_history_len is not None)) if on]  # fmt: skip
+            backend = parse_enum(FP8Backend, backend, option="FP8Policy(backend=...)")
+            unused = [n for n, on in (("backend", backend != FP8Backend.AUTO), ("skip", bool(skip)),
+                                      ("all_gather", all_gather is not None),
+                                      ("amax_history_len", amax_history_len is not None)) if on]  # fmt: skip
             if unused:
-                raise V17ConfigError(f"{' and '.join(unused)} apply only with fp8='tensorwise', 'rowwise' or "
-                                     "'delayed'; set fp8 or drop them")  # fmt: skip
+                raise V17ConfigError(f"FP8Policy's {' and '.join(unused)} apply only with a recipe, fp8='tensorwise', "
+                                     "'rowwise' or 'delayed'; set fp8 or drop them")  # fmt: skip
             return None
         skip = skip if isinstance(skip, str) else tuple(skip or ())
         return cls(recipe=fp8, backend=backend, skip=skip, all_gather=all_gather, amax_history_len=amax_history_len)

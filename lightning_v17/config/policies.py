@@ -62,28 +62,28 @@ class ZeroPolicy:
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise V17ConfigError(
-                f"zero_stage={self.stage!r} is not a ZeRO stage; choose 0 (DDP), 1 (optimizer state), "
-                f"2 (+ gradients) or 3 (+ parameters)"
+                f"ZeroPolicy(stage={self.stage!r}) (V17Strategy(zero_stage={self.stage!r})) is not a ZeRO stage; "
+                "choose 0 (DDP), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters)"
             )
         if self.bucket_mb <= 0:
-            raise V17ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+            raise V17ConfigError(f"ZeroPolicy(bucket_mb={self.bucket_mb}) must be > 0")
         if not isinstance(self.prefetch_units, int) or isinstance(self.prefetch_units, bool) or self.prefetch_units < 0:
             raise V17ConfigError(
-                f"prefetch_units={self.prefetch_units!r} must be an integer >= 0 (ZeRO-3 units all-gathered ahead; "
-                "0: no prefetch)"
+                f"ZeroPolicy(prefetch_units={self.prefetch_units!r}) must be an integer >= 0 (ZeRO-3 units "
+                "all-gathered ahead; 0: no prefetch)"
             )
         if self.optimizer_partition not in ("auto", "rows", "params"):
             raise V17ConfigError(
-                f"optimizer_partition={self.optimizer_partition!r}; choose 'auto', 'rows' (dim-0 slices, elementwise "
-                "optimizers) or 'params' (whole parameters per rank, any per-parameter optimizer)"
+                f"ZeroPolicy(optimizer_partition={self.optimizer_partition!r}); choose 'auto', 'rows' (dim-0 slices, "
+                "elementwise optimizers) or 'params' (whole parameters per rank, any per-parameter optimizer)"
             )
         if not isinstance(self.meta_init, bool):
-            raise V17ConfigError(f"meta_init={self.meta_init!r} must be True or False")
+            raise V17ConfigError(f"ZeroPolicy(meta_init={self.meta_init!r}) must be True or False")
         if self.meta_init and self.stage != 3:
             raise V17ConfigError(
-                f"meta_init=True builds configure_model on the meta device so that ZeRO-3 allocates only each rank's "
-                f"shards; zero_stage={self.stage} keeps whole parameters on every rank: use zero_stage=3, or drop "
-                "meta_init"
+                "ZeroPolicy(meta_init=True) builds configure_model on the meta device so that ZeRO-3 allocates only "
+                f"each rank's shards; ZeroPolicy(stage={self.stage}) keeps whole parameters on every rank: use "
+                "stage=3, or drop meta_init"
             )
         object.__setattr__(self, "wrap_classes", tuple(self.wrap_classes))
 
@@ -174,38 +174,42 @@ class OffloadPolicy:
     resident_blocks: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "offload_optimizer"))
-        object.__setattr__(self, "params", Tier.parse(self.params, "offload_params"))
-        object.__setattr__(self, "activations", Tier.parse(self.activations, "offload.activations"))
+        object.__setattr__(self, "optimizer", Tier.parse(self.optimizer, "OffloadPolicy(optimizer=...)"))
+        object.__setattr__(self, "params", Tier.parse(self.params, "OffloadPolicy(params=...)"))
+        object.__setattr__(self, "activations", Tier.parse(self.activations, "OffloadPolicy(activations=...)"))
         if isinstance(self.resident_blocks, bool) or not isinstance(self.resident_blocks, int) or self.resident_blocks < 0:
-            raise V17ConfigError(f"offload resident_blocks={self.resident_blocks!r} must be an integer >= 0")
+            raise V17ConfigError(f"OffloadPolicy(resident_blocks={self.resident_blocks!r}) must be an integer >= 0")
         if isinstance(self.activation_min_kb, bool) or not isinstance(self.activation_min_kb, (int, float)) or not (
             self.activation_min_kb >= 0
         ):
-            raise V17ConfigError(f"offload activation_min_kb={self.activation_min_kb!r} must be a number >= 0")
+            raise V17ConfigError(f"OffloadPolicy(activation_min_kb={self.activation_min_kb!r}) must be a number >= 0")
         if Tier.NVME in (self.optimizer, self.params, self.activations) and not self.nvme_path:
-            raise V17ConfigError("an 'nvme' offload tier needs nvme_path=<directory on a local NVMe drive>")
+            raise V17ConfigError(
+                "an 'nvme' offload tier needs OffloadPolicy(nvme_path=<directory on a local NVMe drive>)"
+            )
         ratio = self.optimizer_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
-            raise V17ConfigError(f"offload_optimizer_ratio={ratio!r} must be a number in (0, 1]")
+            raise V17ConfigError(f"OffloadPolicy(optimizer_ratio={ratio!r}) must be a number in (0, 1]")
         if ratio < 1.0 and self.optimizer == Tier.NONE:
             raise V17ConfigError(
-                f"offload_optimizer_ratio={ratio!r} splits an offloaded optimizer state; set offload_optimizer='cpu' "
-                "or 'nvme', or drop the ratio"
+                f"OffloadPolicy(optimizer_ratio={ratio!r}) splits an offloaded optimizer state; set "
+                "OffloadPolicy(optimizer='cpu' or 'nvme'), or drop the ratio"
             )
         object.__setattr__(self, "optimizer_ratio", float(ratio))
         if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
             raise V17ConfigError(
-                f"offload buffer_count={self.buffer_count!r} must be an integer >= 2 (one chunk stepping, one read ahead)"
+                f"OffloadPolicy(buffer_count={self.buffer_count!r}) must be an integer >= 2 (one chunk stepping, one "
+                "read ahead)"
             )
         if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, (int, float)) or not self.chunk_mb > 0:
-            raise V17ConfigError(f"offload chunk_mb={self.chunk_mb!r} must be a positive number of MiB")
+            raise V17ConfigError(f"OffloadPolicy(chunk_mb={self.chunk_mb!r}) must be a positive number of MiB")
         if self.host_memory is not None:
-            object.__setattr__(self, "host_memory", parse_enum(HostMemory, self.host_memory, option="host_memory"))
+            host_memory = parse_enum(HostMemory, self.host_memory, option="OffloadPolicy(host_memory=...)")
+            object.__setattr__(self, "host_memory", host_memory)
             if Tier.NVME not in (self.optimizer, self.params):
                 raise V17ConfigError(
-                    f"offload host_memory={self.host_memory.value!r} sets glibc's malloc for an nvme tier, and there is "
-                    "none; drop host_memory or set offload_optimizer='nvme'"
+                    f"OffloadPolicy(host_memory={self.host_memory.value!r}) sets glibc's malloc for an nvme tier, and "
+                    "there is none; drop host_memory or set OffloadPolicy(optimizer='nvme')"
                 )
 
 
@@ -282,11 +286,12 @@ class TPPolicy:
         _check_positive_int("tp", self.size)
         for name in ("sequence_parallel", "vocab_parallel", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
-                raise V17ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+                raise V17ConfigError(f"TPPolicy({name}={getattr(self, name)!r}) must be True or False")
         if self.plan is not None:
             if not isinstance(self.plan, Mapping) or not all(isinstance(k, str) and k for k in self.plan):
                 raise V17ConfigError(
-                    f"tp_plan={self.plan!r} must be a dict {{fqn: style}}, e.g. {{'layers.*.attn.q_proj': 'colwise'}}"
+                    f"TPPolicy(plan={self.plan!r}) must be a dict {{fqn: style}}, e.g. "
+                    "{'layers.*.attn.q_proj': 'colwise'}"
                 )
             object.__setattr__(self, "plan", dict(self.plan))
 

@@ -4,9 +4,9 @@ Torch-free vocabulary. The strategy raises from this table at construction (:fun
 ``parallelize`` checks it again for callers that build policies themselves, and the planner warns from it
 (:func:`violations`). A rule is a row ``(name, options, violated, message, fix, example)``: ``example`` is a set of
 ``V17Strategy`` arguments that violates it (a policy written as the dict of its fields, the YAML spelling), which
-``tests/unit/test_rules.py`` constructs for every row. ``options`` name the concepts (``offload_params`` is
-``OffloadPolicy.params``, ``offload_activations`` is ``OffloadPolicy.activations``, ``tp_plan`` is ``TPPolicy.plan``,
-``pp_split_points`` is ``PipelinePolicy.split_points``).
+``tests/unit/test_rules.py`` constructs for every row. ``options`` name the options as the user writes them: a
+``V17Strategy`` argument (``pp``, ``zero_stage``) or a policy's field as ``Policy.field`` (``OffloadPolicy.params``),
+which the messages spell as the call, ``OffloadPolicy(params='cpu')`` (:func:`option_text`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_v17.config.errors import V17ConfigError
 
-__all__ = ["RULES", "Layout", "Rule", "check", "violations"]
+__all__ = ["RULES", "Layout", "Rule", "check", "option_text", "violations"]
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,18 @@ def _fp8(layout: Layout) -> Any:
     return layout.policy.fp8
 
 
-#: option -> (the TrainingPolicy field holding its policy, the field inside that policy)
-_AXIS_OPTIONS: dict[str, tuple[str, str]] = {
-    "sequence_parallel": ("tensor_parallel", "sequence_parallel"), "tp_plan": ("tensor_parallel", "plan"),
-    "vocab_parallel": ("tensor_parallel", "vocab_parallel"), "loss_parallel": ("tensor_parallel", "loss_parallel"),
-    "pp_split_points": ("pipeline", "split_points"),
+def option_text(option: str, value: Any = ...) -> str:
+    """A rule's option as a message spells it: ``("OffloadPolicy.params", "cpu")`` -> ``OffloadPolicy(params='cpu')``,
+    ``("tp", 2)`` -> ``tp=2``; without a value, ``OffloadPolicy(params=...)`` and ``tp``."""
+    cls, _, field = option.rpartition(".")
+    if cls:
+        return f"{cls}({field}={'...' if value is ... else repr(value)})"
+    return option if value is ... else f"{option}={value!r}"
+
+
+#: a policy whose fields shape one axis -> (the TrainingPolicy field holding it, the V17Strategy argument taking it)
+_AXIS_POLICIES: dict[str, tuple[str, str]] = {
+    "TPPolicy": ("tensor_parallel", "tp"), "PipelinePolicy": ("pipeline", "pp"),
 }  # fmt: skip
 
 
@@ -103,33 +110,33 @@ def _without_sequence_parallel(axis: str, why: str, fix_note: str = "") -> Rule:
     """``axis`` > 1 beside tp > 1 with sequence parallelism is not built yet (``why`` says what is missing)."""
     return Rule(
         name=f"{axis}_without_sequence_parallel",
-        options=(axis, "sequence_parallel"),
+        options=(axis, "TPPolicy.sequence_parallel"),
         violated=lambda lay: getattr(lay, axis) > 1 and lay.tp > 1 and lay.policy.tensor_parallel.sequence_parallel,
         message=lambda lay: (
-            f"{axis}={getattr(lay, axis)} with tp={lay.tp} and sequence_parallel=True is not implemented yet: {why}"
+            f"{axis}={getattr(lay, axis)} with tp={lay.tp} and TPPolicy(sequence_parallel=True) is not implemented "
+            f"yet: {why}"
         ),
         fix=f"use {axis} with sequence_parallel=False{fix_note}, or {axis}=1",
         example={axis: 2, "zero_stage": 1, "tp": {"size": 2, "sequence_parallel": True}},
     )
 
 
-def _needs_axis(option: str, axis: str) -> Rule:
-    """``option`` shapes the ``axis`` axis and means nothing when it has size 1."""
-
-    policy, name = _AXIS_OPTIONS[option]
+def _needs_axis(option: str) -> Rule:
+    """``option`` (``Policy.field``) shapes its policy's axis and means nothing when that axis has size 1."""
+    cls, name = option.split(".")
+    policy, axis = _AXIS_POLICIES[cls]  # V17Strategy(tp=TPPolicy(...)) etc.
 
     def violated(lay: Layout) -> bool:
         return bool(getattr(getattr(lay.policy, policy), name)) and getattr(lay, axis) == 1
 
     value: Any = {"plan": {"x": "colwise"}, "split_points": ["x"]}.get(name, True)
-    front_door = {"tensor_parallel": "tp", "pipeline": "pp"}[policy]  # V17Strategy(tp=TPPolicy(...)) etc.
     return Rule(
-        name=f"{option}_needs_{axis}",
+        name=f"{name}_needs_{axis}",
         options=(option, axis),
         violated=violated,
-        message=lambda lay: f"{option} applies only with {axis} > 1 (got {axis}=1)",
-        fix=f"set {axis} or drop it",
-        example={front_door: {name: value}},
+        message=lambda lay: f"{option_text(option)} applies only with {axis} > 1 (got {axis}=1)",
+        fix=f"set {axis} > 1 or drop {name}",
+        example={axis: {name: value}},
     )
 
 
@@ -153,10 +160,10 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         name="offload_params_needs_stage_3",
-        options=("offload_params", "zero_stage"),
+        options=("OffloadPolicy.params", "zero_stage"),
         violated=lambda lay: _tier(lay, "params") != "none" and lay.stage != 3,
         message=lambda lay: (
-            f"offload_params={_tier(lay, 'params')!r} offloads ZeRO-3 parameter shards and needs zero_stage=3 "
+            f"OffloadPolicy(params={_tier(lay, 'params')!r}) offloads ZeRO-3 parameter shards and needs zero_stage=3 "
             f"(got {lay.stage})"
         ),
         fix="set zero_stage=3, or offload only the optimizer with offload=OffloadPolicy(optimizer=...)",
@@ -164,24 +171,24 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         name="nvme_params_without_fp8",
-        options=("offload_params", "fp8"),
+        options=("OffloadPolicy.params", "fp8"),
         violated=lambda lay: _tier(lay, "params") == "nvme" and _fp8(lay) is not None,
         message=lambda lay: (
-            "offload_params='nvme' with fp8 is not implemented yet (the float8 scales read the weights after each "
-            "step)"
+            "OffloadPolicy(params='nvme') with fp8 is not implemented yet (the float8 scales read the weights after "
+            "each step)"
         ),
-        fix="use offload_params='cpu' or 'none' with fp8, or drop fp8",
+        fix="use OffloadPolicy(params='cpu' or 'none') with fp8, or drop fp8",
         example={"zero_stage": 3, "offload": {"params": "nvme", "nvme_path": "."}, "fp8": "tensorwise"},
     ),
     Rule(
         name="fp8_all_gather_needs_stage_3",
-        options=("fp8_all_gather", "zero_stage"),
+        options=("FP8Policy.all_gather", "zero_stage"),
         violated=lambda lay: _fp8(lay) is not None and _fp8(lay).all_gather is True and lay.stage != 3,
         message=lambda lay: (
-            f"fp8_all_gather=True applies to zero_stage=3, which all-gathers the weights (got zero_stage="
+            f"FP8Policy(all_gather=True) applies to zero_stage=3, which all-gathers the weights (got zero_stage="
             f"{lay.stage}, where every rank keeps whole weights)"
         ),
-        fix="set zero_stage=3 or drop fp8_all_gather",
+        fix="set zero_stage=3 or drop all_gather",
         example={"zero_stage": 2, "fp8": {"recipe": "tensorwise", "all_gather": True}},
     ),
     Rule(
@@ -199,18 +206,18 @@ RULES: tuple[Rule, ...] = (
         fix="use fp8='tensorwise' or fp8='delayed' with tp > 1, or tp=1",
         example={"tp": 2, "zero_stage": 1, "fp8": "rowwise"},
     ),
-    _needs_axis("sequence_parallel", "tp"),
-    _needs_axis("tp_plan", "tp"),
-    _needs_axis("vocab_parallel", "tp"),
-    _needs_axis("loss_parallel", "tp"),
-    _needs_axis("pp_split_points", "pp"),
+    _needs_axis("TPPolicy.sequence_parallel"),
+    _needs_axis("TPPolicy.plan"),
+    _needs_axis("TPPolicy.vocab_parallel"),
+    _needs_axis("TPPolicy.loss_parallel"),
+    _needs_axis("PipelinePolicy.split_points"),
     Rule(
         name="loss_parallel_without_pp",
-        options=("loss_parallel", "pp"),
+        options=("TPPolicy.loss_parallel", "pp"),
         violated=lambda lay: lay.policy.tensor_parallel.loss_parallel and lay.pp > 1,
         message=lambda lay: (
-            f"loss_parallel=True with pp={lay.pp} is not supported: the pipeline schedule computes the loss on the "
-            "last stage outside the strategy's loss_parallel() context"
+            f"TPPolicy(loss_parallel=True) with pp={lay.pp} is not supported: the pipeline schedule computes the "
+            "loss on the last stage outside the strategy's loss_parallel() context"
         ),
         fix="use loss_parallel with pp=1, or drop it",
         example={"pp": 2, "zero_stage": 1, "tp": {"size": 2, "loss_parallel": True}},
@@ -236,13 +243,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         name="activation_offload_without_pp",
-        options=("offload_activations", "pp"),
+        options=("OffloadPolicy.activations", "pp"),
         violated=lambda lay: lay.pp > 1 and _tier(lay, "activations") != "none",
         message=lambda lay: (
-            f"offload_activations={_tier(lay, 'activations')!r} with pp={lay.pp} is not implemented yet (the "
+            f"OffloadPolicy(activations={_tier(lay, 'activations')!r}) with pp={lay.pp} is not implemented yet (the "
             "schedule interleaves the micro-batches' forwards and backwards; the offload streams one block order)"
         ),
-        fix="use offload.activations with pp=1, or offload.activations='none'",
+        fix="use OffloadPolicy(activations=...) with pp=1, or activations='none'",
         example={"pp": 2, "zero_stage": 1, "offload": {"activations": "nvme", "nvme_path": "."}},
     ),
     # the optimizer tier steps every parameter the optimizer holds, the experts' (ep DTensors, or the experts' ZeRO
@@ -250,14 +257,14 @@ RULES: tuple[Rule, ...] = (
     # and at efsdp = 1 the experts are outside FSDP2 (ignored_params), so they would silently stay resident
     Rule(
         name="ep_without_param_offload",
-        options=("ep", "offload.params"),
+        options=("ep", "OffloadPolicy.params"),
         violated=lambda lay: lay.ep > 1 and _tier(lay, "params") != "none",
         message=lambda lay: (
-            f"ep={lay.ep} with offload.params={_tier(lay, 'params')!r} is not implemented: the parameter tier moves "
-            "the shards of ZeRO-3's FSDP2 units, and the ep-sharded experts are not all in such units (at efsdp = 1 "
-            "they are outside FSDP2), so they would stay in device memory"
+            f"ep={lay.ep} with OffloadPolicy(params={_tier(lay, 'params')!r}) is not implemented: the parameter tier "
+            "moves the shards of ZeRO-3's FSDP2 units, and the ep-sharded experts are not all in such units (at "
+            "efsdp = 1 they are outside FSDP2), so they would stay in device memory"
         ),
-        fix="use ep with offload.params='none' (offload.optimizer works with ep), or ep=1",
+        fix="use ep with OffloadPolicy(params='none') (OffloadPolicy(optimizer=...) works with ep), or ep=1",
         example={"ep": 2, "zero_stage": 3, "offload": {"params": "nvme", "nvme_path": "."}},
     ),
 )

@@ -80,24 +80,24 @@ class ScheduleInfo:
         name = self.schedule.value
         if self.placement == Placement.SINGLE and virtual_stages != 1:
             raise V17ConfigError(
-                f"pp_schedule={name!r} runs one stage per rank; set virtual_stages=1, or use 'interleaved_1f1b', "
-                f"'zero_bubble' or 'zbv' for virtual_stages={virtual_stages}"
+                f"PipelinePolicy(schedule={name!r}) runs one stage per rank; set virtual_stages=1, or use schedule="
+                f"'interleaved_1f1b', 'zero_bubble' or 'zbv' for virtual_stages={virtual_stages}"
             )
         if self.placement == Placement.LOOP and virtual_stages < 2:
             raise V17ConfigError(
-                f"pp_schedule={name!r} needs virtual_stages >= 2 (model chunks per rank); set virtual_stages=2 or "
-                "use pp_schedule='1f1b'"
+                f"PipelinePolicy(schedule={name!r}) needs virtual_stages >= 2 (model chunks per rank); set "
+                "virtual_stages=2 or use schedule='1f1b'"
             )
         if self.placement == Placement.V and virtual_stages != 2:
-            raise V17ConfigError(f"pp_schedule={name!r} uses exactly virtual_stages=2 (the V shape)")
+            raise V17ConfigError(f"PipelinePolicy(schedule={name!r}) uses exactly virtual_stages=2 (the V shape)")
 
     def check_runnable(self) -> None:
         """Raise a :class:`V17ConfigError` naming the runnable alternatives when the engine cannot run it."""
         if not self.runnable:
             ok = ", ".join(repr(s.value) for s, i in SCHEDULES.items() if i.runnable)
             raise V17ConfigError(
-                f"pp_schedule={self.schedule.value!r} has no torch.distributed.pipelining implementation, so the "
-                f"engine cannot run it (the planner can still estimate it); choose one of {ok}"
+                f"PipelinePolicy(schedule={self.schedule.value!r}) has no torch.distributed.pipelining implementation, "
+                f"so the engine cannot run it (the planner can still estimate it); choose one of {ok}"
             )
 
     def engine_note(self) -> str | None:
@@ -119,15 +119,15 @@ class ScheduleInfo:
         name, m, p = self.schedule.value, microbatches, pp
         if self.schedule == Schedule.ONE_F_ONE_B and m < p:
             raise V17ConfigError(
-                f"pp_schedule={name!r} needs microbatches >= pp stages: microbatches={m} < pp={p}; set "
+                f"PipelinePolicy(schedule={name!r}) needs microbatches >= pp stages: microbatches={m} < pp={p}; set "
                 f"microbatches >= {p}"
             )
         rounds = self.torch_class in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
         if rounds and m % max(1, m // p) != 0:
             ok = [k for k in range(p, 4 * p + 1) if k % max(1, k // p) == 0]
             raise V17ConfigError(
-                f"pp_schedule={name!r} runs microbatches // pp rounds and needs microbatches to be a multiple of "
-                f"them: microbatches={m} with pp={p} is not; try one of {ok[:6]}"
+                f"PipelinePolicy(schedule={name!r}) runs microbatches // pp rounds and needs microbatches to be a "
+                f"multiple of them: microbatches={m} with pp={p} is not; try one of {ok[:6]}"
             )
 
     def stage_ids(self, pp_rank: int, *, pp: int, virtual_stages: int) -> tuple[int, ...]:

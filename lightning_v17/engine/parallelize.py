@@ -202,7 +202,7 @@ def _activation_offload(
     return ActivationOffload(
         units, tier=off.activations, nvme_path=off.nvme_path, min_bytes=int(off.activation_min_kb * 1024),
         resident_blocks=off.resident_blocks, rank=dist.get_rank() if dist.is_initialized() else 0,
-        option="offload.activations", device=device,
+        option="OffloadPolicy(activations=...)", device=device,
     )  # fmt: skip
 
 
@@ -308,9 +308,10 @@ def parallelize(
         )
     if spec.tp > 1 and tp_plan is None:
         raise V17ConfigError(
-            f"tp={spec.tp} needs a tensor-parallel plan for {type(module).__name__}: pass tp_plan={{fqn: style}}, "
-            "define configure_tensor_parallel(mesh) or a tp_plan dict on the LightningModule, or use a model that "
-            "ships one (the reference Llama, Hugging Face models' base_model_tp_plan)"
+            f"tp={spec.tp} needs a tensor-parallel plan for {type(module).__name__}: pass "
+            "V17Strategy(tp=TPPolicy(plan={fqn: style})) (parallelize(tp_plan=...) without Lightning), define "
+            "configure_tensor_parallel(mesh) or a tp_plan dict on the LightningModule, or use a model that ships one "
+            "(the reference Llama, Hugging Face models' base_model_tp_plan)"
         )
 
     pipeline = None

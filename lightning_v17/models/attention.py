@@ -33,7 +33,7 @@ class AttentionBackend(StrEnum):
 
     @classmethod
     def parse(cls, value: Any) -> AttentionBackend:
-        return parse_enum(cls, value, option="attention_backend")  # type: ignore[return-value]
+        return parse_enum(cls, value, option="varlen_attention(backend=...)")  # type: ignore[return-value]
 
 
 @functools.cache

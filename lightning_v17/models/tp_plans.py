@@ -464,7 +464,7 @@ def resolve_tp_plan(
             an option the found model cannot honour.
     """
     user_source = (
-        "tp_plan=" if explicit is not None
+        "TPPolicy(plan=...)" if explicit is not None
         else "configure_tensor_parallel" if callable(getattr(module, "configure_tensor_parallel", None))
         else "the module's tp_plan" if not _is_hf_model(module) and getattr(module, "tp_plan", None)
         else None
@@ -476,7 +476,7 @@ def resolve_tp_plan(
         )
     if explicit is not None:
         if not isinstance(explicit, Mapping) or not explicit:
-            raise V17ConfigError(f"tp_plan must be a non-empty dict {{fqn: style}}; got {explicit!r}")
+            raise V17ConfigError(f"TPPolicy(plan=...) must be a non-empty dict {{fqn: style}}; got {explicit!r}")
         expand_plan(module, explicit)
         return dict(explicit)
     hook = getattr(module, "configure_tensor_parallel", None)
@@ -494,8 +494,8 @@ def resolve_tp_plan(
     if plan is None:
         raise V17ConfigError(
             f"tensor parallelism needs a plan and none was found for {type(module).__name__}: (1) pass "
-            f"V17Strategy(tp=TPPolicy(size=..., plan={{fqn: style}})) (the engine's tp_plan=; e.g. "
-            f"{{'layers.*.attn.q_proj': 'colwise', ...}}), (2) give the "
+            f"V17Strategy(tp=TPPolicy(size=..., plan={{fqn: style}})) (parallelize(tp_plan=...) without Lightning; "
+            f"e.g. {{'layers.*.attn.q_proj': 'colwise', ...}}), (2) give the "
             f"LightningModule a configure_tensor_parallel(self, mesh) method or a `tp_plan` dict, or (3) use a model "
             f"that supplies its own (Hugging Face base_model_tp_plan, litgpt GPT, torchtitan-style Llama)"
         )

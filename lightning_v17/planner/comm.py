@@ -159,8 +159,9 @@ def choose_cp_mode(mode: CPMode | str, *, cp: int, heads: int, kv_heads: int) ->
     ok = ulysses_kv_replication(cp, heads=heads, kv_heads=kv_heads) is not None
     if mode == CPMode.ULYSSES and not ok:
         raise V17ConfigError(
-            f"cp_mode='ulysses' with cp={cp}: cp must divide the {heads} query heads and divide or be a multiple of "
-            f"the {kv_heads} KV heads; use cp_mode='allgather' (any cp degree) or another cp"
+            f"CPPolicy(mode='ulysses') (v17 plan --cp-mode ulysses) with cp={cp}: cp must divide the {heads} query "
+            f"heads and divide or be a multiple of the {kv_heads} KV heads; use mode='allgather' (any cp degree) or "
+            "another cp"
         )
     if mode == CPMode.ALLGATHER:
         return mode, "allgather: asked for (--cp-mode allgather)"

@@ -171,24 +171,25 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
     elif lay.offload_optimizer in IMPLEMENTED_OFFLOAD_OPTIMIZER and plan.cluster.gpu == "cpu":
         offload["optimizer"] = lay.offload_optimizer
     else:  # V17's optimizer offload steps CPU parameters only (engine/offload/optimizer.py); nvme needs the machine's path
-        not_emitted.append(f"offload_optimizer={lay.offload_optimizer.value!r} (the plan counts the optimizer state "
-                           "off the device) is not emitted: V17Strategy offloads the optimizer of CPU parameters only "
-                           "in this version (nvme also needs nvme_path=); the run keeps it on the device")
+        not_emitted.append(f"OffloadPolicy(optimizer={lay.offload_optimizer.value!r}) (the plan counts the optimizer "
+                           "state off the device) is not emitted: V17Strategy offloads the optimizer of CPU parameters "
+                           "only in this version (nvme also needs nvme_path); the run keeps it on the device")
     if lay.offload_params != Tier.NONE:
         if not lay.zero.shards_params:
-            not_emitted.append(f"offload_params={lay.offload_params.value!r} needs zero_stage=3 (ignored by the plan "
-                               f"at zero_stage={lay.zero.stage})")
+            not_emitted.append(f"OffloadPolicy(params={lay.offload_params.value!r}) needs zero_stage=3 (ignored by "
+                               f"the plan at zero_stage={lay.zero.stage})")
         elif lay.offload_params in IMPLEMENTED_OFFLOAD_PARAMS:
             offload["params"] = lay.offload_params
         else:
-            not_emitted.append(f"offload_params={lay.offload_params.value!r} is not emitted: it needs nvme_path=<a "
-                               "directory on this machine's NVMe drive>, which the plan cannot know; add both to the "
+            not_emitted.append(f"OffloadPolicy(params={lay.offload_params.value!r}) is not emitted: it needs "
+                               "nvme_path=<a directory on this machine's NVMe drive>, which the plan cannot know; add "
+                               "both to the "
                                "strategy's offload: init_args (the run keeps the parameter shards on the device "
                                "otherwise)")
     if lay.offload_activations != Tier.NONE:
-        not_emitted.append(f"offload_activations={lay.offload_activations.value!r} is not emitted: the nvme tier needs "
-                           "nvme_path=<a directory on this machine's NVMe drive> and the cpu tier an accelerator; add "
-                           "offload: {activations: ..., nvme_path: ...} to the strategy's init_args")
+        not_emitted.append(f"OffloadPolicy(activations={lay.offload_activations.value!r}) is not emitted: the nvme "
+                           "tier needs nvme_path=<a directory on this machine's NVMe drive> and the cpu tier an "
+                           "accelerator; add offload: {activations: ..., nvme_path: ...} to the strategy's init_args")
     if offload:
         args["offload"] = _fields(OffloadPolicy(**offload))
     return {"class_path": STRATEGY_CLASS, "init_args": args}

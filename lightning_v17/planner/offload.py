@@ -42,13 +42,13 @@ def tier_bytes(
     ``activation_bytes`` stay on the accelerator; ``offloaded_activation_bytes`` are the saved activations that
     activation offload (:func:`activation_offload_bytes`) keeps on ``offload_activations``.
     """
-    offload_optimizer = Tier.parse(offload_optimizer, "offload_optimizer")
-    offload_params = Tier.parse(offload_params, "offload_params")
+    offload_optimizer = Tier.parse(offload_optimizer, "tier_bytes(offload_optimizer=...)")
+    offload_params = Tier.parse(offload_params, "tier_bytes(offload_params=...)")
     tiers = {Tier.NONE: 0, Tier.CPU: 0, Tier.NVME: 0}
     tiers[offload_params] += param_bytes
     tiers[Tier.CPU if offload_optimizer != Tier.NONE else Tier.NONE] += grad_bytes
     tiers[offload_optimizer] += optimizer_bytes
-    offload_activations = Tier.parse(offload_activations, "offload_activations")
+    offload_activations = Tier.parse(offload_activations, "tier_bytes(offload_activations=...)")
     if offloaded_activation_bytes < 0 or (offloaded_activation_bytes and offload_activations == Tier.NONE):
         raise ValueError("offloaded_activation_bytes must be >= 0, and > 0 only with a tier to go to")
     tiers[Tier.NONE] += activation_bytes + temp_bytes
@@ -98,8 +98,8 @@ def offload_traffic_bytes(
         zero_stage: shortcut for ``zero=ZeroPolicy(stage=zero_stage)``.
     """
     zero = zero_of(zero, zero_stage)
-    offload_optimizer = Tier.parse(offload_optimizer, "offload_optimizer")
-    offload_params = Tier.parse(offload_params, "offload_params")
+    offload_optimizer = Tier.parse(offload_optimizer, "offload_traffic_bytes(offload_optimizer=...)")
+    offload_params = Tier.parse(offload_params, "offload_traffic_bytes(offload_params=...)")
     pcie = 0.0
     nvme = 0.0
     if offload_optimizer != Tier.NONE:
@@ -174,12 +174,13 @@ def check_activation_offload_plan(tier: Tier, *, pp: int, has_shape: bool) -> No
     from lightning_v17.config import V17ConfigError
 
     if not has_shape:
-        raise V17ConfigError("offload_activations needs the model's shape (the blocks' activations): give --model "
+        raise V17ConfigError("--offload-activations needs the model's shape (the blocks' activations): give --model "
                              "or the shape flags, or drop --offload-activations")
+    tier = Tier.parse(tier, "--offload-activations")
     if pp > 1:
-        raise V17ConfigError(f"offload_activations={Tier.parse(tier).value!r} with pp={pp} is not built (the schedule "
-                             "interleaves micro-batches; the offload streams one block order); use pp=1 or "
-                             "offload_activations='none'")
+        raise V17ConfigError(f"--offload-activations {tier.value} (V17Strategy's OffloadPolicy(activations="
+                             f"{tier.value!r})) with pp={pp} is not built (the schedule interleaves micro-batches; the "
+                             "offload streams one block order); use --pp 1 or --offload-activations none")
 
 
 def activation_offload_bytes(bytes_per_block: int, *, layers: int, resident_blocks: int) -> tuple[int, int]:
@@ -209,9 +210,9 @@ def activation_transfer_bytes_per_s(tier: Tier | str, *, pcie_bytes_per_s: float
     """The rate one block's saved tensors move at, each way: PCIe for "cpu"; for "nvme" the slower of PCIe and the
     drive, since the bytes go device -> host bounce buffer -> file and back (ZeRO-Infinity (Rajbhandari 2021) §4:
     each tier's time is bytes / its bandwidth; pipelined tiers run at the slowest link)."""
-    tier = Tier.parse(tier, "offload_activations")
+    tier = Tier.parse(tier, "activation_transfer_bytes_per_s(tier=...)")
     if tier == Tier.NONE:
-        raise ValueError("offload_activations='none' moves nothing")
+        raise ValueError("activation_transfer_bytes_per_s(tier='none'): the 'none' tier moves nothing")
     if pcie_bytes_per_s <= 0 or nvme_bytes_per_s <= 0:
         raise ValueError("pcie_bytes_per_s and nvme_bytes_per_s must be > 0")
     return pcie_bytes_per_s if tier == Tier.CPU else min(pcie_bytes_per_s, nvme_bytes_per_s)
@@ -231,13 +232,14 @@ def activation_offload(
 ) -> ActivationOffload:
     """What activation offload keeps off the device and whether its transfers hide behind compute.
 
-    Source: seed §7.8 ("almost free when compute and transfer overlap"): a block's write runs beside the next
-    block's forward and its read beside the later block's backward, so each hides when it takes no longer than
-    that compute; what does not hide stretches the step, per offloaded block and micro-batch:
-    ``max(0, t_xfer - t_fwd) + max(0, t_xfer - t_bwd)`` (bandwidth from
+    Source: vDNN (Rhu 2016, "vDNN: Virtualized Deep Neural Networks for Scalable, Memory-Efficient Neural Network
+    Design"), whose offloads and prefetches of each layer's saved activations overlap the computation of the layers
+    around it: a block's write runs beside the next block's forward and its read beside the later block's backward,
+    so each hides when it takes no longer than that compute; what does not hide stretches the step, per offloaded
+    block and micro-batch: ``max(0, t_xfer - t_fwd) + max(0, t_xfer - t_bwd)`` (bandwidth from
     :func:`activation_transfer_bytes_per_s`, sizes from :func:`activation_offload_bytes`).
     """
-    tier = Tier.parse(tier, "offload_activations")
+    tier = Tier.parse(tier, "activation_offload(tier=...)")
     offloaded, device = activation_offload_bytes(bytes_per_block, layers=layers, resident_blocks=resident_blocks)
     rate = activation_transfer_bytes_per_s(tier, pcie_bytes_per_s=pcie_bytes_per_s, nvme_bytes_per_s=nvme_bytes_per_s)
     xfer = bytes_per_block / rate

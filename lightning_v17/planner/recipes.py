@@ -34,7 +34,7 @@ from lightning_v17.config import (
     divisors,
 )
 from lightning_v17.config.rules import Layout as RulesLayout
-from lightning_v17.config.rules import Rule, violations
+from lightning_v17.config.rules import Rule, option_text, violations
 
 SMALL_MODEL_PARAMS = 10e9  # design §17.4: "model ≤ 10B? → FSDP (FULL_SHARD) only"
 MEDIUM_MODEL_PARAMS = 100e9  # design §17.4: "model ≤ 100B? → TP8 + PP4 + DP"
@@ -182,16 +182,17 @@ _PLANNED_NVME_PATH = "<nvme_path>"
 
 
 def _headline(rule: Rule, values: dict[str, object]) -> str:
-    """A short title for a violated rule, in the planner's words: "PP with ZeRO-3", "sequence_parallel with tp=1"."""
+    """A short title for a violated rule, in the planner's words: "PP with ZeRO-3",
+    "TPPolicy(sequence_parallel=True) with tp=1"."""
     words = []
     for option in rule.options:
-        value = values.get(option)
+        value = values.get(option, ...)
         if option in ("pp", "tp"):
             words.append(option.upper() if value != 1 else f"{option}=1")
         elif option == "zero_stage":
             words.append(f"ZeRO-{value}")
         else:
-            words.append(option if value is None or value is True else f"{option}={value}")
+            words.append(option_text(option, ... if value is None or value is True and "." not in option else value))
     return " with ".join(words)
 
 
@@ -214,9 +215,9 @@ def rule_warnings(
                             nvme_path=_PLANNED_NVME_PATH if Tier.NVME in tiers else None)  # fmt: skip
     policy = TrainingPolicy(zero=zero, offload=offload, tensor_parallel=TPPolicy(sequence_parallel=bool(sp)),
                             fp8=None if fp8 is None else FP8Policy(recipe=fp8))  # fmt: skip
-    values = {"pp": pp, "tp": tp, "zero_stage": zero.stage, "offload_params": offload.params.value,
-              "fp8": None if fp8 is None else FP8Recipe(fp8).value, "sequence_parallel": sp, "ep": ep,
-              "offload": True, "cp": cp}  # fmt: skip
+    values = {"pp": pp, "tp": tp, "zero_stage": zero.stage, "OffloadPolicy.params": offload.params.value,
+              "fp8": None if fp8 is None else FP8Recipe(fp8).value, "TPPolicy.sequence_parallel": bool(sp), "ep": ep,
+              "cp": cp}  # fmt: skip
     found = violations(RulesLayout(policy, pp=pp, tp=tp, ep=ep, cp=cp))
     return [f"{_headline(rule, values)}: {text}" for rule, text in found]
 

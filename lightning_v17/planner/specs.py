@@ -175,7 +175,7 @@ class TrainSpec:
     cp_mode: CPMode = CPMode.AUTO
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cp_mode", CPMode.parse(self.cp_mode, "cp_mode"))
+        object.__setattr__(self, "cp_mode", CPMode.parse(self.cp_mode, "TrainSpec(cp_mode=...)"))
         if self.p2p_time < 0:
             raise ValueError(f"p2p_time={self.p2p_time} must be >= 0")
         object.__setattr__(self, "optimizer", OptimizerKind.parse(self.optimizer))
@@ -193,9 +193,8 @@ class TrainSpec:
             object.__setattr__(self, "recompute", Recompute.parse(self.recompute, "recompute"))
         if self.schedule is not None:
             object.__setattr__(self, "schedule", Schedule.parse(self.schedule, "schedule"))
-        object.__setattr__(self, "offload_optimizer", Tier.parse(self.offload_optimizer, "offload_optimizer"))
-        object.__setattr__(self, "offload_params", Tier.parse(self.offload_params, "offload_params"))
-        object.__setattr__(self, "offload_activations", Tier.parse(self.offload_activations, "offload_activations"))
+        for name in ("offload_optimizer", "offload_params", "offload_activations"):  # TrainSpec's own, flat, fields
+            object.__setattr__(self, name, Tier.parse(getattr(self, name), f"TrainSpec({name}=...)"))
         if isinstance(self.resident_blocks, bool) or not isinstance(self.resident_blocks, int) or self.resident_blocks < 0:
             raise V17ConfigError(f"resident_blocks={self.resident_blocks!r} must be an integer >= 0")
         for name in ("tp", "pp", "dp", "cp", "seq", "global_batch", "microbatches", "virtual_stages", "ep"):

@@ -515,7 +515,7 @@ def test_ulysses_refuses_query_heads_cp_does_not_divide(runs) -> None:
     for world in (2, 4):
         msg = runs[world][0]["ulysses_error"]
         if world == 4:
-            assert msg and "cp_mode='allgather'" in msg and "6 query heads" in msg, msg
+            assert msg and "CPPolicy(mode='allgather')" in msg and "6 query heads" in msg, msg
         else:  # 6 heads over cp=2 is fine; 2 KV heads too
             assert msg is None, msg
 

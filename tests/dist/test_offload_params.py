@@ -353,7 +353,7 @@ def test_reading_a_released_parameter_raises_a_clear_error(results) -> None:
         full = torch.as_tensor(r["plain"]["params"][name])
         for kind, msg, numel, shape in outside:
             assert kind == "error", (kind, msg)
-            assert "offload_params='nvme'" in msg and "param_offload.resident()" in msg, msg
+            assert "OffloadPolicy(params='nvme')" in msg and "param_offload.resident()" in msg, msg
             assert name in msg, (name, msg)
             assert numel == full.numel() and shape == tuple(full.shape), (numel, shape)
         rows = full.shape[0] // WORLD + (full.shape[0] % WORLD > 0)

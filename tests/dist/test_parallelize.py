@@ -152,7 +152,7 @@ def test_composition_refusals_before_any_process_group():
 
     with pytest.raises(V17ConfigError, match="zero_stage=1"):
         check_composition(TrainingPolicy(zero=ZeroPolicy(stage=2), pipeline=PipelinePolicy()), pp=2, tp=1)
-    with pytest.raises(V17ConfigError, match="offload_params='cpu'"):
+    with pytest.raises(V17ConfigError, match=r"OffloadPolicy\(params='cpu'\)"):
         from lightning_v17.config import OffloadPolicy
 
         check_composition(TrainingPolicy(zero=ZeroPolicy(stage=1), offload=OffloadPolicy(params="cpu")), pp=1, tp=1)

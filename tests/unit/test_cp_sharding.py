@@ -167,7 +167,7 @@ def test_scheme_choice_follows_the_communication_volume() -> None:
     assert cp_comm_elements("ulysses", cp=8, **dims) == (64 + 16) * 128 * 1024 * 7 / 8
     assert cp_comm_elements("allgather", cp=8, **dims) == 16 * 128 * 8192 * 7 / 8
     assert check_ulysses_heads(4, 8, 2) == 2 and check_ulysses_heads(2, 8, 2) == 1
-    with pytest.raises(V17ConfigError, match="cp_mode='allgather'"):
+    with pytest.raises(V17ConfigError, match=r"CPPolicy\(mode='allgather'\)"):
         choose_cp_mode("ulysses", cp=3, heads=32, kv_heads=8)
     with pytest.raises(V17ConfigError, match="multiple of them"):
         check_ulysses_heads(4, 8, 3)

@@ -90,7 +90,7 @@ def test_hf_llama_dims_not_divisible_by_16_are_kept_and_named_in_one_warning():
     assert len(fp8_warnings) == 1, fp8_warnings
     kept = [f"model.layers.{i}.mlp.{n}" for i in range(2) for n in ("gate_proj", "up_proj", "down_proj")]
     assert all(k in fp8_warnings[0] for k in kept) and "divisible by 16" in fp8_warnings[0]
-    assert "6 Linear layer(s)" in fp8_warnings[0] and "(in=128" not in fp8_warnings[0]
+    assert "6 Linear layer(s)" in fp8_warnings[0] and "(in_features=128" not in fp8_warnings[0]
     attn = ("q_proj", "k_proj", "v_proj", "o_proj")
     assert done == tuple(f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in attn)
     types = _types(model)
@@ -108,7 +108,7 @@ def test_fp8_skip_keeps_matching_layers_and_whole_blocks_and_refuses_a_pattern_m
     other = _llama()
     sel = select_fp8_linears(other, units=find_wrap_units(other), skip=("*.wq",))
     assert sel.kept_by_skip == ("layers.0.attention.wq", "layers.1.attention.wq") and sel.outside_blocks == ("output",)
-    with pytest.raises(V17ConfigError, match=r"fp8_skip=.*\['\*\.w9'\] match no module"):
+    with pytest.raises(V17ConfigError, match=r"FP8Policy\(skip=.*\['\*\.w9'\]\): .* match no module"):
         _convert(_llama(), skip=("*.w9",))
 
 
@@ -116,7 +116,7 @@ def test_a_model_without_blocks_or_without_convertible_linears_is_refused():
     flat = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     with pytest.raises(V17ConfigError, match=r"fp8='tensorwise' .* no repeated blocks.*wrap_classes"):
         _convert(flat)
-    with pytest.raises(V17ConfigError, match=r"would convert no Linear.*loosen fp8_skip"):
+    with pytest.raises(V17ConfigError, match=r"would convert no Linear.*loosen FP8Policy\(skip=\.\.\.\)"):
         _convert(_llama(), skip=("layers.*",))
 
 
@@ -195,9 +195,9 @@ def test_strategy_options_parse_once_into_a_frozen_policy():
     assert resolve_fp8_backend(s.policy.fp8, "cpu") == FP8Backend.TORCHAO  # "auto" on CPU is torchao
     with pytest.raises(V17ConfigError, match=r"fp8='e4m3' is not supported; choose one of 'tensorwise', 'rowwise'"):
         _strategy(fp8="e4m3")
-    with pytest.raises(V17ConfigError, match=r"fp8_skip apply only with fp8="):
+    with pytest.raises(V17ConfigError, match=r"FP8Policy's skip apply only with a recipe, fp8="):
         _strategy(fp8_skip=["*.w2"])
-    with pytest.raises(V17ConfigError, match=r"fp8_skip='\*\.w2' must be a list of FQN patterns"):
+    with pytest.raises(V17ConfigError, match=r"FP8Policy\(skip='\*\.w2'\) must be a list of FQN patterns"):
         _strategy(fp8="tensorwise", fp8_skip="*.w2")
 
 
@@ -206,9 +206,11 @@ def test_fp8_backend_te_without_an_fp8_gpu_names_the_fix():
     with pytest.raises(V17ConfigError) as err:
         _strategy(fp8="tensorwise", fp8_backend="te")
     msg = str(err.value)
-    assert "fp8_backend='te'" in msg and "not a CUDA GPU" in msg
-    assert "install transformer-engine" in msg and "compute capability >= 8.9" in msg and "fp8_backend='torchao'" in msg
-    with pytest.raises(V17ConfigError, match=r"fp8_backend='te' needs Transformer Engine"):  # the engine checks too
+    assert "FP8Policy(backend='te')" in msg and "not a CUDA GPU" in msg
+    assert "install transformer-engine" in msg and "compute capability >= 8.9" in msg
+    assert "FP8Policy(backend='torchao')" in msg
+    # the engine checks too
+    with pytest.raises(V17ConfigError, match=r"FP8Policy\(backend='te'\) needs Transformer Engine"):
         apply_fp8(_llama(), policy=FP8Policy("tensorwise", backend="te"), units=[], device="cpu")
 
 
@@ -223,18 +225,18 @@ def test_fp8_options_all_gather_and_history_len_parse_or_are_refused_with_the_fi
     assert not off.float8_all_gather(zero=ZeroPolicy(stage=3))
     assert float8_config(tw, all_gather=True).enable_fsdp_float8_all_gather
     assert not float8_config(tw).enable_fsdp_float8_all_gather
-    with pytest.raises(V17ConfigError, match=r"fp8_all_gather=True needs fp8='tensorwise' \(got fp8='rowwise'\)"):
+    with pytest.raises(V17ConfigError, match=r"FP8Policy\(all_gather=True\) needs the 'tensorwise' recipe \(got 'row"):
         _strategy(fp8="rowwise", fp8_all_gather=True)
-    with pytest.raises(V17ConfigError, match=r"fp8_all_gather=True applies to zero_stage=3.*set zero_stage=3"):
+    with pytest.raises(V17ConfigError, match=r"FP8Policy\(all_gather=True\) applies to zero_stage=3.*set zero_stage=3"):
         _strategy(fp8="tensorwise", fp8_all_gather=True, zero_stage=1)
-    with pytest.raises(V17ConfigError, match=r"fp8_all_gather apply only with fp8="):
+    with pytest.raises(V17ConfigError, match=r"FP8Policy's all_gather apply only with a recipe, fp8="):
         _strategy(fp8_all_gather=True)
     d = _strategy(fp8="delayed", fp8_amax_history_len=4).policy.fp8
     assert d.history_len == 4 and _strategy(fp8="delayed").policy.fp8.history_len == 16
     assert not d.float8_all_gather(zero=ZeroPolicy(stage=3))
-    with pytest.raises(V17ConfigError, match=r"fp8_amax_history_len=4 applies only to fp8='delayed'"):
+    with pytest.raises(V17ConfigError, match=r"FP8Policy\(amax_history_len=4\) applies only to the 'delayed' recipe"):
         _strategy(fp8="tensorwise", fp8_amax_history_len=4)
-    with pytest.raises(V17ConfigError, match=r"fp8_amax_history_len=0 must be a positive integer"):
+    with pytest.raises(V17ConfigError, match=r"FP8Policy\(amax_history_len=0\) must be a positive integer"):
         _strategy(fp8="delayed", fp8_amax_history_len=0)
 
 

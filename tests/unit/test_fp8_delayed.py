@@ -128,5 +128,6 @@ def test_delayed_keeps_the_plain_tp_styles_and_refuses_others():
     plan = float8_tp_plan(model, styles, layers=layers)
     assert [type(s) for s in plan.values()] == [ColwiseParallel, RowwiseParallel]
     with pytest.raises(V17ConfigError, match=r"fp8='delayed' with tensor parallelism: 'layers.0.attention.wq' .* "
-                                             r"style is _ReplicateParallel.*fp8_skip=\['layers.0.attention.wq'\]"):
+                                             r"style is _ReplicateParallel.*"
+                                             r"FP8Policy\(skip=\['layers.0.attention.wq'\]\)"):
         float8_tp_plan(model, {"layers.0.attention.wq": "replicate"}, layers=layers)

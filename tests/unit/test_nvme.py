@@ -106,7 +106,7 @@ def test_check_nvme_path_errors_name_the_option(tmp_path) -> None:
     with pytest.raises(V17ConfigError, match=r"nvme_path='/sys' is not writable"):
         check_nvme_path("/sys")
     free = shutil.disk_usage(tmp_path).free
-    with pytest.raises(V17ConfigError, match=r"GiB free, but this rank offloads .*offload_optimizer_ratio"):
+    with pytest.raises(V17ConfigError, match=r"GiB free, but this rank offloads .*OffloadPolicy\(optimizer_ratio="):
         check_nvme_path(tmp_path, need_bytes=free)  # fits without the margin, not with it
     assert check_nvme_path(tmp_path, need_bytes=free // 4) == tmp_path
     assert free_margin_bytes(2**30) == int(2**30 * 1.1) + 64 * 2**20
@@ -133,13 +133,13 @@ def test_offload_policy_values() -> None:
     assert p.host_memory is None and OffloadPolicy(optimizer="nvme", nvme_path="/x", host_memory="recycle").host_memory
     assert OffloadPolicy(params="nvme", nvme_path="/x", host_memory="recycle").host_memory == "recycle"
     for kw, match in (
-        ({"optimizer": "nvme", "nvme_path": "/x", "optimizer_ratio": 0.0}, r"offload_optimizer_ratio=0.0 must be"),
-        ({"optimizer": "nvme", "nvme_path": "/x", "optimizer_ratio": 1.5}, r"offload_optimizer_ratio=1.5 must be"),
-        ({"optimizer_ratio": 0.5}, r"offload_optimizer_ratio=0.5 splits an offloaded optimizer state"),
-        ({"optimizer": "cpu", "buffer_count": 1}, r"buffer_count=1 must be an integer >= 2"),
-        ({"optimizer": "cpu", "chunk_mb": 0}, r"chunk_mb=0 must be a positive"),
-        ({"optimizer": "nvme"}, r"an 'nvme' offload tier needs nvme_path="),
-        ({"optimizer": "nvme", "nvme_path": "/x", "host_memory": "keep"}, r"host_memory='keep' is not supported; choose one of 'return', 'recycle'"),
+        ({"optimizer": "nvme", "nvme_path": "/x", "optimizer_ratio": 0.0}, r"\(optimizer_ratio=0.0\) must be"),
+        ({"optimizer": "nvme", "nvme_path": "/x", "optimizer_ratio": 1.5}, r"\(optimizer_ratio=1.5\) must be"),
+        ({"optimizer_ratio": 0.5}, r"OffloadPolicy\(optimizer_ratio=0.5\) splits an offloaded optimizer state"),
+        ({"optimizer": "cpu", "buffer_count": 1}, r"OffloadPolicy\(buffer_count=1\) must be an integer >= 2"),
+        ({"optimizer": "cpu", "chunk_mb": 0}, r"OffloadPolicy\(chunk_mb=0\) must be a positive"),
+        ({"optimizer": "nvme"}, r"an 'nvme' offload tier needs OffloadPolicy\(nvme_path="),
+        ({"optimizer": "nvme", "nvme_path": "/x", "host_memory": "keep"}, r"OffloadPolicy\(host_memory='keep'\) is not supported; choose one of 'return', 'recycle'"),
         ({"optimizer": "cpu", "host_memory": "recycle"}, r"sets glibc's malloc for an nvme tier, and there is none"),
     ):
         with pytest.raises(V17ConfigError, match=match):
@@ -152,12 +152,12 @@ def test_strategy_refuses_before_training(tmp_path) -> None:
     from tests._strategy import v17  # the cases are flat option dicts
 
     cases = [
-        ({"offload_optimizer": "nvme"}, r"needs nvme_path="),
+        ({"offload_optimizer": "nvme"}, r"needs OffloadPolicy\(nvme_path="),
         ({"offload_optimizer": "nvme", "nvme_path": str(tmp_path / "nope")}, r"nvme_path=.* does not exist"),
         ({"offload_optimizer": "nvme", "nvme_path": "/sys"}, r"nvme_path='/sys' is not writable"),
         ({"zero_stage": 2, "offload_params": "nvme", "nvme_path": str(tmp_path)},
-         r"offload_params='nvme' .* needs zero_stage=3 \(got 2\)"),
-        ({"zero_stage": 1, "offload_params": "cpu"}, r"offload_params='cpu' .* needs zero_stage=3"),
+         r"OffloadPolicy\(params='nvme'\) .* needs zero_stage=3 \(got 2\)"),
+        ({"zero_stage": 1, "offload_params": "cpu"}, r"OffloadPolicy\(params='cpu'\) .* needs zero_stage=3"),
         ({"offload_optimizer_ratio": 0.5}, r"splits an offloaded optimizer state"),
     ]  # fmt: skip
     for kw, match in cases:
@@ -231,8 +231,8 @@ def test_param_offload_refused_before_training(tmp_path) -> None:
 
     cases = [
         ({"zero_stage": 2, "offload_params": "nvme", "nvme_path": str(tmp_path)},
-         r"offload_params='nvme' .* needs zero_stage=3 \(got 2\)"),
-        ({"offload_params": "nvme"}, r"an 'nvme' offload tier needs nvme_path="),
+         r"OffloadPolicy\(params='nvme'\) .* needs zero_stage=3 \(got 2\)"),
+        ({"offload_params": "nvme"}, r"an 'nvme' offload tier needs OffloadPolicy\(nvme_path="),
         ({"offload_params": "nvme", "nvme_path": str(tmp_path / "nope")}, r"nvme_path=.* does not exist"),
         ({"offload_params": "nvme", "nvme_path": "/sys"}, r"nvme_path='/sys' is not writable"),
     ]  # fmt: skip
@@ -243,7 +243,7 @@ def test_param_offload_refused_before_training(tmp_path) -> None:
     assert s.policy.offload.params == Tier.NVME and s.policy.offload.optimizer == Tier.NONE
     offload = OffloadPolicy(params="nvme", nvme_path=str(tmp_path))
     check_composition(TrainingPolicy(offload=offload), pp=1, tp=1)  # accepted
-    with pytest.raises(V17ConfigError, match=r"offload_params='nvme' with fp8 is not implemented yet"):
+    with pytest.raises(V17ConfigError, match=r"OffloadPolicy\(params='nvme'\) with fp8 is not implemented yet"):
         check_composition(TrainingPolicy(offload=offload, fp8=FP8Policy()), pp=1, tp=1)
     assert not list(tmp_path.iterdir())  # construction creates no files
 

@@ -305,7 +305,7 @@ def test_dispatch_that_dominates_the_step_warns_once() -> None:
 def test_ep_with_tp_is_planned_and_warned_from_the_rules() -> None:
     # ep x tp composes; with tp's sequence parallelism (on by default at tp > 1) the rules warn
     out = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "2")
-    assert any(w.startswith("ep=2 with sequence_parallel") for w in out["recommendation"]["warnings"])
+    assert any(w.startswith("ep=2 with TPPolicy(sequence_parallel=True)") for w in out["recommendation"]["warnings"])
     out = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "2", "--no-sp")
     assert not any("not implemented" in w for w in out["recommendation"]["warnings"])
 

@@ -322,6 +322,6 @@ def test_no_plan_anywhere_names_the_three_ways():
 def test_model_plan_options_with_a_user_plan_are_refused_not_ignored():
     """sequence_parallel=True shapes the model's own plan only; with the user's plan it cannot apply: refused."""
     model = Llama(ModelConfig.from_preset("tiny", layers=2))
-    with pytest.raises(V17ConfigError, match="tp_plan= decides the layout"):
+    with pytest.raises(V17ConfigError, match=r"TPPolicy\(plan=\.\.\.\) decides the layout"):
         resolve_tp_plan(model, explicit={"layers.*.attention.wq": "colwise"}, sequence_parallel=True)
     assert resolve_tp_plan(model, explicit={"layers.*.attention.wq": "colwise"}) == {"layers.*.attention.wq": "colwise"}

@@ -106,7 +106,7 @@ def context_parallel_attention(
         return ulysses_attention(q, k, v, group=group, layout=layout, segment_ids=segment_ids,
                                  attention_fn=attention_fn, scale=scale)  # fmt: skip
     if attention_fn is not None:
-        raise ValueError("attention_fn is a ulysses option; cp_mode='allgather' runs document-masked SDPA")
+        raise ValueError("attention_fn is a ulysses option; CPPolicy(mode='allgather') runs document-masked SDPA")
     return allgather_attention(q, k, v, group=group, layout=layout, segment_ids=segment_ids, scale=scale)
 
 

@@ -85,18 +85,18 @@ def check_ulysses_heads(cp: int, heads: int, kv_heads: int) -> int:
     """How many times each KV head is replicated under Ulysses (1: none); raise a user error when impossible."""
     if heads % cp:
         raise V17ConfigError(
-            f"cp_mode='ulysses' shards the attention heads over cp: cp={cp} must divide the {heads} query heads "
-            "of this rank (num_attention_heads / tp under tensor parallelism); "
-            f"use cp_mode='allgather' (any cp degree) or cp in {[c for c in range(1, heads + 1) if heads % c == 0]}"
+            f"CPPolicy(mode='ulysses') shards the attention heads over cp: cp={cp} must divide the {heads} query "
+            "heads of this rank (num_attention_heads / tp under tensor parallelism); use CPPolicy(mode='allgather') "
+            f"(any cp degree) or cp in {[c for c in range(1, heads + 1) if heads % c == 0]}"
         )
     if kv_heads % cp == 0:
         return 1
     if cp % kv_heads == 0:
         return cp // kv_heads
     raise V17ConfigError(
-        f"cp_mode='ulysses' with cp={cp} and {kv_heads} KV heads (of this rank: num_key_value_heads / tp under "
-        f"tensor parallelism): cp must divide the KV heads or be a multiple of them (then they are replicated); use "
-        f"cp_mode='allgather' or another cp"
+        f"CPPolicy(mode='ulysses') with cp={cp} and {kv_heads} KV heads (of this rank: num_key_value_heads / tp "
+        "under tensor parallelism): cp must divide the KV heads or be a multiple of them (then they are replicated); "
+        "use CPPolicy(mode='allgather') or another cp"
     )
 
 

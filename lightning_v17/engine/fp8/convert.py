@@ -71,8 +71,8 @@ TE_MIN_CAPABILITY = (8, 9)
 
 _TE_FIX = (
     "install transformer-engine (pip install 'transformer-engine[pytorch]') on a GPU with FP8 support (compute "
-    "capability >= 8.9: L4, L40, H100, H200, B200), or set fp8_backend='torchao' (torchao float8, any device, CPU "
-    "included)"
+    "capability >= 8.9: L4, L40, H100, H200, B200), or set FP8Policy(backend='torchao') (torchao float8, any "
+    "device, CPU included)"
 )
 
 
@@ -109,7 +109,7 @@ def resolve_fp8_backend(policy: FP8Policy, device: torch.device | str) -> FP8Bac
         return FP8Backend.TORCHAO
     ok, why = transformer_engine_status(device)
     if not ok:
-        raise V17ConfigError(f"fp8_backend='te' needs Transformer Engine on an FP8 GPU, but {why}; {_TE_FIX}")
+        raise V17ConfigError(f"FP8Policy(backend='te') needs Transformer Engine on an FP8 GPU, but {why}; {_TE_FIX}")
     return FP8Backend.TE
 
 
@@ -156,8 +156,8 @@ def select_fp8_linears(
     unmatched = [p for p in skip if not any(_skipped(f, [p]) for f in fqns if f)]
     if unmatched:
         raise V17ConfigError(
-            f"fp8_skip={list(skip)}: {unmatched} match no module of {type(module).__name__}; patterns are fnmatch "
-            f"on FQNs such as {[f for f in fqns if f][:4]}"
+            f"FP8Policy(skip={list(skip)}): {unmatched} match no module of {type(module).__name__}; patterns are "
+            f"fnmatch on FQNs such as {[f for f in fqns if f][:4]}"
         )
     in_blocks: set[str] = set()
     for unit in units:
@@ -280,8 +280,8 @@ def apply_fp8(
     backend = resolve_fp8_backend(policy, device)
     if backend == FP8Backend.TE:
         raise V17ConfigError(
-            "fp8_backend='te': the Transformer Engine path (te.fp8_autocast with the data-parallel fp8_group) is not "
-            "implemented in this version; set fp8_backend='torchao' (or 'auto')"
+            "FP8Policy(backend='te'): the Transformer Engine path (te.fp8_autocast with the data-parallel fp8_group) "
+            "is not implemented in this version; set FP8Policy(backend='torchao') (or 'auto')"
         )
     what = f"fp8={policy.recipe.value!r}"
     if not units:
@@ -292,7 +292,7 @@ def apply_fp8(
     sel = select_fp8_linears(module, units=units, skip=policy.skip, tp=tp)
     multiple = f"{FP8_DIM_MULTIPLE}" if tp == 1 else f"{FP8_DIM_MULTIPLE} x tp={tp} = {FP8_DIM_MULTIPLE * tp}"
     if sel.kept_for_dims:
-        listed = ", ".join(f"{f} (in={i}, out={o})" for f, i, o in sel.kept_for_dims)
+        listed = ", ".join(f"{f} (in_features={i}, out_features={o})" for f, i, o in sel.kept_for_dims)
         warnings.warn(
             f"{what}: {len(sel.kept_for_dims)} Linear layer(s) stay in high precision because torch._scaled_mm needs "
             f"in_features and out_features divisible by {multiple}: {listed}",
@@ -302,7 +302,7 @@ def apply_fp8(
     if not sel.convert:
         raise V17ConfigError(
             f"{what} would convert no Linear of {type(module).__name__} (kept for dims: {len(sel.kept_for_dims)}, by "
-            f"fp8_skip: {len(sel.kept_by_skip)}); drop fp8, or loosen fp8_skip"
+            f"FP8Policy(skip=...): {len(sel.kept_by_skip)}); drop fp8, or loosen FP8Policy(skip=...)"
         )
     if policy.recipe == FP8Recipe.DELAYED:
         from lightning_v17.engine.fp8.delayed import convert_to_delayed
@@ -334,7 +334,7 @@ def _float8_style(fqn: str, style: Any, *, delayed: bool = False) -> Any:
             raise V17ConfigError(
                 f"fp8='delayed' with tensor parallelism: {fqn!r} is converted to float8 but its tensor-parallel "
                 f"style is {type(style).__name__}; the delayed float8 Linear runs under the plain 'colwise'/'rowwise' "
-                f"styles only; give it one of those, or keep it in high precision with fp8_skip=[{fqn!r}]"
+                f"styles only; give it one of those, or keep it in high precision with FP8Policy(skip=[{fqn!r}])"
             )
         return style
     if kind is None:
@@ -344,7 +344,7 @@ def _float8_style(fqn: str, style: Any, *, delayed: bool = False) -> Any:
             f"fp8 with tensor parallelism: {fqn!r} is converted to float8 but its tensor-parallel style "
             f"{type(style).__name__} has no float8 version (torchao has Float8ColwiseParallel and "
             f"Float8RowwiseParallel, for plain colwise/rowwise styles); keep it in high precision with "
-            f"fp8_skip=[{fqn!r}], or give it a 'colwise'/'rowwise' style"
+            f"FP8Policy(skip=[{fqn!r}]), or give it a 'colwise'/'rowwise' style"
         )
     return kind(
         input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
@@ -375,9 +375,10 @@ def float8_tp_plan(module: nn.Module, plan: Any, *, layers: Sequence[str]) -> An
     styles = plan.styles if dataclasses.is_dataclass(plan) and hasattr(plan, "styles") else plan
     if not isinstance(styles, Mapping):
         raise V17ConfigError(
-            "fp8 with tp > 1 needs the tensor-parallel plan as {fqn: style} (tp_plan=, a tp_plan dict, or the "
-            "model's own plan) so that V17 can give the converted Linears torchao's float8 styles; a "
-            "configure_tensor_parallel hook applies its own styles. Return a tp_plan dict instead, or drop fp8"
+            "fp8 with tp > 1 needs the tensor-parallel plan as {fqn: style} (TPPolicy(plan=...), a tp_plan dict on "
+            "the LightningModule, or the model's own plan) so that V17 can give the converted Linears torchao's "
+            "float8 styles; a configure_tensor_parallel hook applies its own styles. Return a tp_plan dict instead, "
+            "or drop fp8"
         )
     chosen = set(layers)
     expanded = expand_plan(module, styles)

@@ -166,7 +166,7 @@ class DelayedFloat8Linear(nn.Linear):
                 "fp8='delayed' with tp > 1: a converted Linear's weight is a DTensor on a "
                 f"{mesh.ndim}-D mesh and its input a {'DTensor' if isinstance(x, DTensor) else 'plain tensor'}; "
                 "only the plain 'colwise'/'rowwise' tensor-parallel styles (1-D tp mesh) are supported; give the "
-                "layer one of those or keep it in high precision with fp8_skip"
+                "layer one of those or keep it in high precision with FP8Policy(skip=[...])"
             )
         last = x.ndim - 1
         wp, xp = w.placements[0], x.placements[0]
@@ -181,7 +181,8 @@ class DelayedFloat8Linear(nn.Linear):
             raise V17ConfigError(
                 f"fp8='delayed' with tp > 1: unsupported layout (weight {wp}, input {xp}); the delayed float8 "
                 "Linear runs with the plain 'colwise' (weight Shard(0), input Replicate) or 'rowwise' (weight "
-                "Shard(1), input Shard(-1)) styles; use one of them, or fp8_skip this layer"
+                "Shard(1), input Shard(-1)) styles; use one of them, or keep this layer in high precision with "
+                "FP8Policy(skip=[...])"
             )
         x_local = x.to_local(grad_placements=[x_grad])
         out = _DelayedScaledMM.apply(x_local, w.to_local(), _local(self.scale), _local(self.amax_pending))

@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_v17.config import Recompute, Tier, V17ConfigError
+from lightning_v17.config.errors import spell
 from lightning_v17.engine import recompute as _recompute
 from lightning_v17.engine.offload.activation_buffers import BlockPool, CudaCopies, aligned, pinned
 from lightning_v17.engine.offload.nvme import NvmeFileSet, check_nvme_path, host_buffer
@@ -64,7 +65,7 @@ STAT_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "tensors_shar
 DEFAULT_MIN_BYTES = 2**20
 
 
-def check_activation_tier(tier: Tier | str, *, option: str = "activation_offload") -> Tier:
+def check_activation_tier(tier: Tier | str, *, option: str = "OffloadPolicy(activations=...)") -> Tier:
     """The activation tier, or a refusal that names the option and the reason.
 
     Raises:
@@ -74,11 +75,14 @@ def check_activation_tier(tier: Tier | str, *, option: str = "activation_offload
     t = Tier.parse(tier, option)
     if t == Tier.CPU and not torch.cuda.is_available():
         raise V17ConfigError(
-            f"{option}='cpu' on a machine without an accelerator moves saved activations from host memory to "
-            f"host memory: it saves nothing. Use {option}='nvme' with nvme_path=<directory>, or turn it off"
+            f"{spell(option, 'cpu')} on a machine without an accelerator moves saved activations from host memory "
+            f"to host memory: it saves nothing. Use {spell(option, 'nvme')} with nvme_path=<directory>, or turn it "
+            "off"
         )
     if t not in (Tier.NVME, Tier.CPU):
-        raise V17ConfigError(f"{option}={t.value!r}: activation offload needs {option}='nvme' (or 'cpu' on CUDA)")
+        raise V17ConfigError(
+            f"{spell(option, t.value)}: activation offload needs {spell(option, 'nvme')} (or 'cpu' on CUDA)"
+        )
     return t
 
 
@@ -290,7 +294,7 @@ class ActivationOffload:
     def __init__(
         self, blocks: Sequence[nn.Module], *, tier: Tier | str = Tier.NVME, nvme_path: str | os.PathLike | None,
         min_bytes: int = DEFAULT_MIN_BYTES, resident_blocks: int = 1, rank: int = 0,
-        option: str = "activation_offload", device: torch.device | str | None = None,
+        option: str = "OffloadPolicy(activations=...)", device: torch.device | str | None = None,
     ) -> None:  # fmt: skip
         self.tier = check_activation_tier(tier, option=option)
         path = check_nvme_path(nvme_path, option="nvme_path") if self.tier == Tier.NVME else None
@@ -298,7 +302,10 @@ class ActivationOffload:
         if not blocks:
             raise V17ConfigError(f"{option}: the model has no repeated blocks to offload; set wrap_classes")
         if resident_blocks < 0 or min_bytes < 0:
-            raise V17ConfigError(f"{option}: resident_blocks={resident_blocks} and min_bytes={min_bytes} must be >= 0")
+            raise V17ConfigError(
+                f"{option}: ActivationOffload(resident_blocks={resident_blocks}, min_bytes={min_bytes}) must be >= 0 "
+                "(OffloadPolicy's resident_blocks and activation_min_kb)"
+            )
         if device is not None:
             devices = {torch.device(device)}
         else:
@@ -306,8 +313,9 @@ class ActivationOffload:
         want = "cpu" if self.tier == Tier.NVME else "cuda"
         if any(d.type != want for d in devices) or (want == "cuda" and len(devices) != 1):
             raise V17ConfigError(
-                f"{option}={self.tier.value!r} offloads activations of blocks on {want} (one device); these are on "
-                f"{sorted(map(str, devices))}: use {option}='nvme' for CPU blocks, 'cpu' for blocks on one CUDA device"
+                f"{spell(option, self.tier.value)} offloads activations of blocks on {want} (one device); these are "
+                f"on {sorted(map(str, devices))}: use {spell(option, 'nvme')} for CPU blocks, 'cpu' for blocks on one "
+                "CUDA device"
             )
         self.blocks, self.min_bytes, self.resident_blocks = blocks, int(min_bytes), int(resident_blocks)
         self.device_type = want

@@ -37,7 +37,7 @@ def attach_offload(
     if existing is not None and not existing.closed:
         return existing
     return OptimizerOffload(
-        opt, tier=Tier.parse(tier, "offload_optimizer"), nvme_path=nvme_path, ratio=ratio, rank=rank,
+        opt, tier=Tier.parse(tier, "OffloadPolicy(optimizer=...)"), nvme_path=nvme_path, ratio=ratio, rank=rank,
         chunk_mb=chunk_mb, buffer_count=buffer_count, params=params, host_memory=host_memory,
     )  # fmt: skip
 

@@ -82,7 +82,7 @@ def check_nvme_path(path: str | os.PathLike | None, *, need_bytes: int = 0, opti
                 f"{option}={str(path)!r} has {free / 2**30:.2f} GiB free, but this rank offloads "
                 f"{need_bytes / 2**30:.2f} GiB there ({need / 2**30:.2f} GiB with a "
                 f"{MARGIN_FRACTION:.0%} + {MARGIN_BYTES // 2**20} MiB margin); free space, choose a larger drive, "
-                "lower offload_optimizer_ratio, or use offload_optimizer='cpu'"
+                "lower OffloadPolicy(optimizer_ratio=...), or use OffloadPolicy(optimizer='cpu')"
             )
     return p
 

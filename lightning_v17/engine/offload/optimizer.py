@@ -184,15 +184,17 @@ class OptimizerOffload:
         rank: int = 0, chunk_mb: float = 4.0, buffer_count: int = 2, params: Any = None,
         host_memory: HostMemory | str | None = None,
     ) -> None:  # fmt: skip
-        tier = Tier.parse(tier, "offload_optimizer")
-        host_memory = parse_enum(HostMemory, host_memory or HostMemory.RECYCLE, option="host_memory")
+        tier = Tier.parse(tier, "OffloadPolicy(optimizer=...)")
+        host_memory = parse_enum(HostMemory, host_memory or HostMemory.RECYCLE, option="OffloadPolicy(host_memory=...)")
         if tier == Tier.NONE and params is None:
             raise ValueError("OptimizerOffload needs tier 'cpu' or 'nvme' (or parameters on the nvme tier)")
         self.param_tier = params
         if not 0.0 < ratio <= 1.0:
-            raise V17ConfigError(f"offload_optimizer_ratio={ratio!r} must be in (0, 1]")
+            raise V17ConfigError(f"OffloadPolicy(optimizer_ratio={ratio!r}) must be in (0, 1]")
         if buffer_count < 2:
-            raise V17ConfigError(f"offload buffer_count={buffer_count!r} must be >= 2 (one chunk stepping, one read)")
+            raise V17ConfigError(
+                f"OffloadPolicy(buffer_count={buffer_count!r}) must be >= 2 (one chunk stepping, one read)"
+            )
         self.optimizer = optimizer
         self.tier = tier
         self.ratio = ratio
@@ -211,8 +213,9 @@ class OptimizerOffload:
         off_cpu = sorted({str(_local(p).device) for p in self.params if _local(p).device.type != "cpu"})
         if off_cpu:
             raise V17ConfigError(
-                f"offload_optimizer={tier.value!r} with parameters on {off_cpu} is not implemented yet (the host-side "
-                "step of accelerator parameters); use offload_optimizer='none' there, or train on the CPU"
+                f"OffloadPolicy(optimizer={tier.value!r}) with parameters on {off_cpu} is not implemented yet (the "
+                "host-side step of accelerator parameters); use OffloadPolicy(optimizer='none') there, or train on the "
+                "CPU"
             )
         if nvme_params:
             self.files = nvme.NvmeFileSet(nvme_path, rank=rank)  # type: ignore[arg-type]
@@ -300,9 +303,10 @@ class OptimizerOffload:
                     continue
                 if type(local) is not torch.Tensor:
                     raise V17ConfigError(
-                        f"offload_optimizer='nvme': {type(self.optimizer).__name__} keeps state {key!r} as a "
+                        f"OffloadPolicy(optimizer='nvme'): {type(self.optimizer).__name__} keeps state {key!r} as a "
                         f"{type(local).__name__} tensor subclass, which cannot be written as bytes; use a library "
-                        "optimizer with plain state (e.g. Adam8bit(backend='bitsandbytes')) or offload_optimizer='cpu'"
+                        "optimizer with plain state (e.g. Adam8bit(backend='bitsandbytes')) or "
+                        "OffloadPolicy(optimizer='cpu')"
                     )
                 local = local.contiguous()
                 n = local.numel() * local.element_size()

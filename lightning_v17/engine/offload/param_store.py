@@ -62,10 +62,10 @@ class ReleasedShard(torch.Tensor):
             out = func(*m_args, **m_kwargs)
             return tree_map_only(torch.Tensor, lambda m: ReleasedShard(m, shard._v17_name, shard.device), out)
         raise RuntimeError(
-            f"parameter {shard._v17_name!r} is on the nvme tier (offload_params='nvme'): its shard is in memory only "
-            f"during forward, backward and the optimizer step, and {func} read it outside them. Read parameters "
-            "inside `with trainer.strategy.zero.param_offload.resident():` (every shard in memory, written back "
-            "after), as DeepSpeed's ZeRO-3 GatheredParameters"
+            f"parameter {shard._v17_name!r} is on the nvme tier (OffloadPolicy(params='nvme')): its shard is in "
+            f"memory only during forward, backward and the optimizer step, and {func} read it outside them. Read "
+            "parameters inside `with trainer.strategy.zero.param_offload.resident():` (every shard in memory, "
+            "written back after), as DeepSpeed's ZeRO-3 GatheredParameters"
         )
 
     __torch_function__ = torch._C._disabled_torch_function_impl

@@ -118,7 +118,9 @@ class ParamOffload:
 
         self.groups = [g for g in (_groups_of(m) for m in units) if g is not None]
         if not self.groups:
-            raise V17ConfigError("offload_params='nvme' found no FSDP2 unit with parameters (zero_stage=3 applies it)")
+            raise V17ConfigError(
+                "OffloadPolicy(params='nvme') found no FSDP2 unit with parameters (zero_stage=3 applies it)"
+            )
         self.depth = max(0, int(prefetch_units))
         self.buffer_count = buffer_count
         self.recs: list[_Rec] = []
@@ -126,22 +128,24 @@ class ParamOffload:
         self.units: list[_Unit] = []
         for g in self.groups:
             if g._use_post_forward_mesh:
-                raise V17ConfigError("offload_params='nvme' needs reshard_after_forward None/True/False (not an int)")
+                raise V17ConfigError(
+                    "OffloadPolicy(params='nvme') needs ZeroPolicy(reshard_after_forward=None/True/False) (not an int)"
+                )
             recs = []
             for fp in g.fsdp_params:
                 local = fp.sharded_param._local_tensor
                 if local.device.type != "cpu":
                     raise V17ConfigError(
-                        f"offload_params='nvme' with parameters on {local.device} is not implemented yet (the host "
-                        "bounce buffer); use offload_params='cpu' or 'none' there, or train on the CPU"
+                        f"OffloadPolicy(params='nvme') with parameters on {local.device} is not implemented yet (the "
+                        "host bounce buffer); use OffloadPolicy(params='cpu' or 'none') there, or train on the CPU"
                     )
                 if type(fp._sharded_param_data) is not torch.Tensor or (
                     local.untyped_storage()._cdata != fp._sharded_param_data.untyped_storage()._cdata
                 ):
                     raise V17ConfigError(
-                        f"offload_params='nvme': parameter {fp._param_fqn or fp._module_info.param_name!r} is not a "
-                        "plain tensor view of FSDP2's shard storage (a tensor subclass such as float8?); use "
-                        "offload_params='cpu' or 'none'"
+                        f"OffloadPolicy(params='nvme'): parameter {fp._param_fqn or fp._module_info.param_name!r} is "
+                        "not a plain tensor view of FSDP2's shard storage (a tensor subclass such as float8?); use "
+                        "OffloadPolicy(params='cpu' or 'none')"
                     )
                 nbytes = fp._sharded_param_data.untyped_storage().nbytes()
                 if nbytes == 0:
@@ -160,7 +164,8 @@ class ParamOffload:
         self.shard_bytes = sum(r.nbytes for r in self.recs)
         self.nvme_bytes = sum(u.nbytes for u in self.units)
         nvme.check_nvme_path(nvme_path, need_bytes=self.nvme_bytes)
-        self.host_memory = parse_enum(HostMemory, host_memory or HostMemory.RECYCLE, option="host_memory")
+        host_memory = host_memory or HostMemory.RECYCLE
+        self.host_memory = parse_enum(HostMemory, host_memory, option="OffloadPolicy(host_memory=...)")
         if self.host_memory == HostMemory.RETURN:
             fix_mmap_threshold()
         self.files = nvme.NvmeFileSet(nvme_path, rank=rank, run=None)
@@ -473,8 +478,8 @@ class ParamOffload:
                 for r in own:  # FSDP2's post hook may have re-padded the shard into a new storage: the same size
                     if r.storage().nbytes() != r.nbytes:
                         raise RuntimeError(
-                            f"offload_params='nvme': loading {r.fp._param_fqn!r} changed its shard from {r.nbytes} to "
-                            f"{r.storage().nbytes()} bytes; load a checkpoint of this model and mesh"
+                            f"OffloadPolicy(params='nvme'): loading {r.fp._param_fqn!r} changed its shard from "
+                            f"{r.nbytes} to {r.storage().nbytes()} bytes; load a checkpoint of this model and mesh"
                         )
                 self.release(own, dirty=True)
                 self.flush()

@@ -338,8 +338,9 @@ def build_schedule(
     cls = getattr(pipelining, info.torch_class, None)
     if cls is None:
         raise V17ConfigError(
-            f"pp_schedule={info.schedule.value!r} needs torch.distributed.pipelining.{info.torch_class}, which this "
-            f"torch {torch.__version__} does not have; choose another pp_schedule or upgrade torch"
+            f"PipelinePolicy(schedule={info.schedule.value!r}) needs torch.distributed.pipelining."
+            f"{info.torch_class}, which this torch {torch.__version__} does not have; choose another schedule or "
+            "upgrade torch"
         )
     pp = pp_mesh.size()
     num_stages = pp * policy.virtual_stages

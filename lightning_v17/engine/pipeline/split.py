@@ -205,8 +205,9 @@ def _stage_block_keys(
     points = list(split_points) if split_points else balanced_split_points(model, num_stages, layout=layout)
     if len(points) != num_stages - 1:
         raise V17ConfigError(
-            f"pp_split_points={tuple(points)} gives {len(points) + 1} stages but pp * virtual_stages = {num_stages}; "
-            f"give exactly {num_stages - 1} block FQNs such as {layout.blocks + '.' + keys[len(keys) // 2]!r}"
+            f"PipelinePolicy(split_points={tuple(points)}) gives {len(points) + 1} stages but pp * virtual_stages = "
+            f"{num_stages}; give exactly {num_stages - 1} block FQNs such as "
+            f"{layout.blocks + '.' + keys[len(keys) // 2]!r}"
         )
     fqns = [f"{layout.blocks}.{k}" for k in keys]
     idx = []
@@ -216,13 +217,15 @@ def _stage_block_keys(
         hits = [i for i, f in enumerate(fqns) if f == p] or [i for i, f in enumerate(fqns) if f.endswith("." + p)]
         if len(hits) != 1:
             raise V17ConfigError(
-                f"pp_split_points entry {p!r} is not a block of the model; valid: {fqns[0]} .. {fqns[-1]}"
+                f"PipelinePolicy(split_points=...) entry {p!r} is not a block of the model; valid: {fqns[0]} .. "
+                f"{fqns[-1]}"
             )
         idx.append(hits[0])
     bounds = [0, *idx, len(keys)]
     if any(b >= e for b, e in itertools.pairwise(bounds)):
         raise V17ConfigError(
-            f"pp_split_points={tuple(points)} must be strictly increasing and leave at least one block per stage"
+            f"PipelinePolicy(split_points={tuple(points)}) must be strictly increasing and leave at least one block "
+            "per stage"
         )
     return [keys[b:e] for b, e in itertools.pairwise(bounds)]
 

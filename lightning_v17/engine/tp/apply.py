@@ -288,8 +288,8 @@ def _projection_roles(model: nn.Module, roles: Mapping[str, str] | None) -> dict
         hook = getattr(model, "tensor_parallel_plan", None)
         if not callable(hook):
             raise V17ConfigError(
-                f"{type(model).__name__} has torchtitan-style names but no tensor_parallel_plan() method: pass "
-                f"roles={{fqn: 'colwise'|'rowwise'}} to llama_tp_plan, or resolve the plan with "
+                f"{type(model).__name__} has torchtitan-style names but no tensor_parallel_plan() method: call "
+                f"llama_tp_plan(..., roles={{fqn: 'colwise'|'rowwise'}}), or resolve the plan with "
                 f"lightning_v17.models.tp_plans.resolve_tp_plan (it knows Megatron's default roles)"
             )
         roles = hook()

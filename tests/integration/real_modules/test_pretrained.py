@@ -253,9 +253,9 @@ def test_meta_init_needs_zero_stage_3():
     from lightning_v17 import V17Strategy, ZeroPolicy
     from lightning_v17.config import V17ConfigError
 
-    with pytest.raises(V17ConfigError, match=r"meta_init=True .* zero_stage=2 .* use zero_stage=3"):
+    with pytest.raises(V17ConfigError, match=r"ZeroPolicy\(meta_init=True\) .* ZeroPolicy\(stage=2\) .* use stage=3"):
         ZeroPolicy(stage=2, meta_init=True)
-    with pytest.raises(V17ConfigError, match="meta_init='yes' must be True or False"):
+    with pytest.raises(V17ConfigError, match=r"ZeroPolicy\(meta_init='yes'\) must be True or False"):
         ZeroPolicy(meta_init="yes")
     assert V17Strategy(zero=ZeroPolicy(stage=3, meta_init=True)).policy.zero.meta_init is True
     assert V17Strategy(zero_stage=3).policy.zero.meta_init is False  # Lightning's semantics by default

@@ -197,7 +197,7 @@ def test_user_optimizers(tmp_path) -> None:
 
     for r in results:
         msg = r["refused_offload"]
-        assert msg.startswith("V17ConfigError") and "Adafactor" in msg and "offload_optimizer='none'" in msg, msg
+        assert msg.startswith("V17ConfigError") and "Adafactor" in msg and "OffloadPolicy(optimizer='none'" in msg, msg
         msg = r["refused_lbfgs"]
         assert msg.startswith("V17ConfigError") and "LBFGS" in msg and "zero_stage=0" in msg, msg
 
