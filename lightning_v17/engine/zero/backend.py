@@ -230,9 +230,10 @@ class ZeroBackend:
             names = sorted({type(o).__name__ for o in owners})
             raise V17ConfigError(
                 f"zero_stage=3 steps {', '.join(names)} whole on owner ranks (it needs whole parameters or cannot step "
-                "DTensor shards), which the offloaded step (offload_optimizer / offload_params) cannot do yet: it "
-                "steps each rank's own shards chunk by chunk. Use offload_optimizer='none' and offload_params='none' "
-                "with it, or one of lightning_v17.optim's optimizers (Adafactor, Adam8bit, Lion8bit step the shards)"
+                "DTensor shards), which the offloaded step (OffloadPolicy(optimizer=...) / OffloadPolicy(params=...)) "
+                "cannot do yet: it steps each rank's own shards chunk by chunk. Use OffloadPolicy(optimizer='none', "
+                "params='none') with it, or one of lightning_v17.optim's optimizers (Adafactor, Adam8bit, Lion8bit "
+                "step the shards)"
             )
         for o, plan in zip(optimizers, plans):
             if plan == StepPlan.LOCAL_SHARDS:
