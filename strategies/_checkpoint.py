@@ -129,6 +129,7 @@ def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | No
     assert strategy.model is not None
     app_state = state_engine.get_state_dicts(strategy.model, strategy.optimizers, backend=strategy.zero)
     own_groups = state_engine.param_group_lists(app_state)
+    state_engine.drop_unsaved_optimizer_entries(app_state, path / "optim")  # as Optimizer.load_state_dict gives them
     try:
         trainer_state, _meta = load_sharded(path, app_state=app_state, weights_only=weights_only)
     except UnsafeCheckpointError as err:

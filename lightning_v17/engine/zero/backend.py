@@ -184,6 +184,9 @@ class ZeroBackend:
             e.choose_partition(optimizers)
             for opt in optimizers:
                 e.shard_optimizer(opt)
+        if self.engine is not None:
+            for opt in optimizers:
+                self._adopt_added_groups(opt)
         params = self.param_offload if self.param_offload is not None and not self.param_offload.closed else None
         owner_steps: list[Any] = []
         if self.engine is None:
@@ -216,6 +219,29 @@ class ZeroBackend:
         for opt in optimizers:
             if offload_engine.offload_of(opt) is None and opt not in owner_steps:  # those step plain tensors already
                 enable_local_step(opt)  # the user's torch.optim AdamW/SGD/...: local shards, bitwise the same
+
+    def _adopt_added_groups(self, optimizer: torch.optim.Optimizer) -> None:
+        """Stages 0-2: a param group added after setup (``optimizer.add_param_group``, e.g. by ``BaseFinetuning``
+        when it unfreezes a backbone) is reduced and, from stage 1 on, partitioned like the others: its parameters
+        join the engines (:meth:`ZeroEngine.adopt`) and the group holds this rank's shards of them. Every rank adds
+        the same group at the same point (callbacks run on every rank). Lightning's ``LightningOptimizer`` copies
+        the optimizer's attributes when it wraps it, so it calls this too."""
+        inner = optimizer.add_param_group
+
+        def add_param_group(param_group: dict[str, Any]) -> None:
+            group = dict(param_group)
+            params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+            engines = self._engines()
+            for e in engines:
+                e.adopt(params)
+            for e in engines:
+                params = e.optimizer_params(params)
+            inner({**group, "params": params})
+            for e in engines:
+                if e.stage > 0:
+                    e._note_stepped(optimizer)
+
+        optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
     def _plan_stage3(self, optimizers: list[Any], *, offloaded: bool) -> list[Any]:
         """Stage 3: plan every optimizer's step (module docstring of :mod:`lightning_v17.engine.zero.owner_step`), attach
@@ -306,8 +332,10 @@ class ZeroBackend:
         with offload_engine.materialized(opt):  # offloaded state: written back to its tier after the load
             if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
                 self.engine.load_optimizer_state_dict(opt, state)
-            else:
-                set_optimizer_state_dict(self.module, opt, state, options=StateDictOptions(full_state_dict=False))
+            else:  # not strict: a parameter the saved optimizer never stepped has no state (drop_unsaved_optimizer_entries
+                # left it out of the template; DCP itself loads every key the template has strictly)
+                options = StateDictOptions(full_state_dict=False, strict=False)
+                set_optimizer_state_dict(self.module, opt, state, options=options)
 
     # ------------------------------------------------------------------ lifetime
     def remove(self) -> None:

@@ -50,6 +50,7 @@ class _Param:
     #: parameter itself on its owner, an empty stand-in on the other ranks ("params")
     shard: nn.Parameter | None = None
     owner: int = -1  # partition="params": the dp_shard rank whose optimizer steps this whole parameter
+    used: bool = True  # this rank had its gradient when its bucket was reduced (ZeroEngine._unused_everywhere)
 
     @property
     def seg_numel(self) -> int:
@@ -86,6 +87,18 @@ class ShardParameter(nn.Parameter):
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
         self._v17_param.requires_grad_(value)
+
+    # In a dict or set keyed by parameters, a shard finds its parameter: Lightning's ``BaseFinetuning`` names the
+    # optimizer's ``param_groups`` through ``{p: name for name, p in module.named_parameters()}``. Python tries a
+    # subclass's reflected ``__eq__`` first, so ``parameter == shard`` lands here too. Every other comparison is the
+    # tensor's own (elementwise).
+    def __hash__(self) -> int:
+        return hash(self._v17_param)
+
+    def __eq__(self, other: object) -> Any:
+        if other is self._v17_param or other is self:
+            return True
+        return super().__eq__(other)
 
     @property  # type: ignore[override]
     def grad(self) -> torch.Tensor | None:

@@ -46,25 +46,24 @@ from torch import nn
 from lightning_v17.config import V17ConfigError
 from lightning_v17.engine.collectives import reduce_scatter
 from lightning_v17.engine.ep.apply import is_expert_param
+from lightning_v17.engine.zero.adoption import LateParams
 from lightning_v17.engine.zero.comm import gather_bucket, pack_grad, pack_rows
 from lightning_v17.engine.zero.fsdp import apply_fsdp
 from lightning_v17.engine.zero.layout import (
     PARTITIONS,
-    ShardParameter,
     _Bucket,
     _local,
     _Param,
     _rows,
     chunk_rows,
     is_elementwise_optimizer,
-    shard_view,
 )
 from lightning_v17.engine.zero.optim_state import ShardedOptimizerState
 
 __all__ = ["ZeroEngine", "apply_zero", "broadcast_module", "chunk_rows", "is_elementwise_optimizer"]
 
 
-class ZeroEngine(ShardedOptimizerState):
+class ZeroEngine(LateParams, ShardedOptimizerState):
     """Gradient reduction and optimizer sharding for ZeRO stages 0, 1 and 2 over replicated full parameters.
 
     Two ways to partition the optimizer over the dp_shard ranks (``partition``):
@@ -151,22 +150,30 @@ class ZeroEngine(ShardedOptimizerState):
         self._reduced = False
 
         seen: set[int] = set()
+        self.module = module
         self.params: list[_Param] = []
         #: id -> FQN of the expert weights sharded over ep (outside the partition, stepped as they are)
         self.expert_fqns: dict[int, str] = {}
+        #: id -> (FQN, parameter) of this engine's parameters that were frozen at setup (see :meth:`adopt`)
+        self.frozen: dict[int, tuple[str, nn.Parameter]] = {}
         for fqn, p in module.named_parameters():
-            if not p.requires_grad or id(p) in seen:
+            if id(p) in seen:
                 continue
             seen.add(id(p))
             if is_expert_param(p) != experts:
-                if not experts:
+                if not experts and p.requires_grad:
                     self.expert_fqns[id(p)] = fqn
                 continue
-            r = _rows(p.detach())
-            start, stop = chunk_rows(r.shape[0], self.world, self.rank)
-            padded = -(-r.shape[0] // self.world) if r.shape[0] else 0
-            self.params.append(_Param(fqn, p, r.shape[0], r.shape[1], start, stop, padded))
+            if not p.requires_grad:
+                self.frozen[id(p)] = (fqn, p)
+                continue
+            self.params.append(self._entry_of(fqn, p))
         self.by_param = {id(e.param): e for e in self.params}
+        #: id -> FQN of the frozen parameters an optimizer listed at stage 1/2 (dropped from its groups: nothing
+        #: could step them); one that becomes trainable without ``add_param_group`` is refused (:meth:`adopt_unfrozen`)
+        self.dropped: dict[int, str] = {}
+        #: per parameter of ``params``: whether some data-parallel rank produced its gradient this step
+        self._used: list[bool] = []
         self.by_shard: dict[int, _Param] = {}
         #: id(optimizer) -> (the parameters it holds, their gather buckets): what its step refreshes
         self._stepped_by: dict[int, tuple[list[_Param], list[_Bucket]]] = {}
@@ -186,6 +193,12 @@ class ZeroEngine(ShardedOptimizerState):
             self.buckets.append(_Bucket(cur, sum(x.seg_numel for x in cur)))
         self.bucket_of = {id(e.param): i for i, b in enumerate(self.buckets) for e in b.params}
         self._hooks = [e.param.register_post_accumulate_grad_hook(self._on_grad) for e in self.params]
+
+    def _entry_of(self, fqn: str, p: nn.Parameter) -> _Param:
+        r = _rows(p.detach())
+        start, stop = chunk_rows(r.shape[0], self.world, self.rank)
+        padded = -(-r.shape[0] // self.world) if r.shape[0] else 0
+        return _Param(fqn, p, r.shape[0], r.shape[1], start, stop, padded)
 
     # ------------------------------------------------------------------ optimizer sharding (stages 1/2)
     def choose_partition(self, optimizers: Iterable[torch.optim.Optimizer]) -> str:
@@ -231,45 +244,23 @@ class ZeroEngine(ShardedOptimizerState):
             self.choose_partition([optimizer])
         if optimizer.state:
             raise RuntimeError("shard_optimizer must run before the first optimizer step (the optimizer has state)")
-        entries: list[_Param] = []
         for group in optimizer.param_groups:
-            new = []
+            kept = []
             for p in group["params"]:
-                e = self.by_param.get(id(p))
-                if e is None:
-                    if self.experts:
-                        new.append(p)  # the dense engine's (already checked and sharded by it)
-                        continue
-                    if id(p) in self.expert_fqns:
-                        new.append(p)  # an expert weight sharded over ep: its rank steps it whole (engine/ep)
-                        continue
-                    if not p.requires_grad:
-                        continue  # frozen: outside the partition, and no gradient will ever step it (module docstring)
+                if id(p) in self.by_param or self.experts or id(p) in self.expert_fqns:
+                    kept.append(p)  # the experts' engine keeps the dense engine's (already checked and sharded)
+                elif id(p) in self.frozen:
+                    self.dropped[id(p)] = self.frozen[id(p)][0]  # nothing could step it (module docstring)
+                elif not p.requires_grad:
+                    continue  # frozen and not the module's own: dropped as well
+                else:
                     raise V17ConfigError(
                         "the optimizer holds a trainable parameter that is not a parameter of the LightningModule; "
                         "build optimizers from self.parameters() (or a subset of them) in configure_optimizers"
                     )
-                entries.append(e)
-                if self.owner_mode and e.owner == self.rank:
-                    e.shard = e.param  # the optimizer steps the whole parameter; gather_params broadcasts it
-                elif e.shard is None:
-                    # rows: a view of this rank's rows; params: an empty stand-in on the ranks that do not own it,
-                    # so every rank's param_groups list the same parameters (Lightning's toggle_optimizer)
-                    e.shard = ShardParameter(shard_view(e, empty=self.owner_mode), e.param)
-                self.by_shard[id(e.shard)] = e
-                new.append(e.shard)
-            group["params"] = new
+            group["params"] = self.optimizer_params(kept)
         setattr(optimizer, mark, self)
-        held = {id(e.param) for e in entries}
-        if held == set(self.by_param):
-            buckets = self.buckets  # the common case, one optimizer over the whole model: the reduction's buckets
-        else:  # the same buckets restricted to this optimizer's parameters: the same order on every rank
-            buckets = []
-            for b in self.buckets:
-                mine = [e for e in b.params if id(e.param) in held]
-                if mine:
-                    buckets.append(_Bucket(mine, sum(e.seg_numel for e in mine)))
-        self._stepped_by[id(optimizer)] = (entries, buckets)
+        self._note_stepped(optimizer)
         # The optimizer now only sees the shards, so its zero_grad would leave the full parameters' gradients (stage
         # 1 keeps them; stage 2 during accumulation) to leak into the next step. Clear them too, for this optimizer's
         # parameters only: another optimizer's gradients are not its to clear (a GAN accumulates them separately).
@@ -277,7 +268,7 @@ class ZeroEngine(ShardedOptimizerState):
 
         def zero_grad(set_to_none: bool = True) -> None:
             inner_zero_grad(set_to_none=set_to_none)
-            for e in entries:
+            for e in self._stepped_by[id(optimizer)][0]:
                 if e.param.grad is not None:
                     if set_to_none:
                         e.param.grad = None
@@ -309,9 +300,20 @@ class ZeroEngine(ShardedOptimizerState):
 
     def _grad(self, e: _Param) -> torch.Tensor:
         g = e.param.grad
+        e.used = g is not None
         if g is None:  # unused on this rank: contributes zeros (every rank must join every collective)
             return torch.zeros_like(_local(e.param))
         return _local(g)
+
+    def _unused_everywhere(self) -> set[int]:
+        """The parameters no data-parallel rank produced a gradient for in this step (ids): one all-reduce of a
+        flag per parameter, as DDP's ``find_unused_parameters`` does for its ``local_used_map``. Their gradients stay
+        None, as they do under DDP and in one process, so the optimizer skips them (an AdamW weight decay on a head
+        that training never calls would move it otherwise)."""
+        flags = torch.tensor([e.used for e in self.params], dtype=torch.int32)
+        if dist.get_world_size(self._full_group()) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._full_group())
+        return {id(e.param) for e, f in zip(self.params, flags.tolist()) if not f}
 
     def _launch(self, b: _Bucket) -> None:
         # The mean over dp ranks is folded into the copy that packs each gradient into the bucket (one pass instead of
@@ -362,10 +364,12 @@ class ZeroEngine(ShardedOptimizerState):
         if self.experts and self._reduced:
             return
         self._reduced = True
+        self.adopt_unfrozen()
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         self._next_launch = 0
+        unused = self._unused_everywhere()
         # Views of the bucket keep all of it alive: not when stage 2 ("params") drops the gradients it does not own, nor
         # for tensor-parallel (DTensor) gradients, which must stay DTensors.
         keep_grads = (self.owner_mode and self.stage == 2) or any(_is_dtensor(e.param) for e in self.params)
@@ -376,12 +380,17 @@ class ZeroEngine(ShardedOptimizerState):
                 for e in b.params:
                     n = _local(e.param).numel()
                     flat = b.buf[off : off + n].view_as(_local(e.param))
+                    off += n
+                    if id(e.param) in unused:
+                        if e.shard is not None and e.shard is not e.param:
+                            e.shard.grad = None
+                        e.param.grad = None
+                        continue
                     if e.param.grad is not None and (keep_grads or flat.dtype != e.param.dtype):
                         _local(e.param.grad).copy_(flat)
                     else:  # the reduced bucket becomes the gradient (a view: no copy, DDP's gradient_as_bucket_view)
                         g = flat.to(e.param.dtype)
                         e.param.grad = g.clone() if keep_grads and g is flat else g
-                    off += n
                     if self.owner_mode:
                         if self.stage == 2 and e.owner != self.rank:
                             e.param.grad = None  # stage 2: keep only the gradients this rank's optimizer steps
@@ -395,8 +404,8 @@ class ZeroEngine(ShardedOptimizerState):
                 for e in b.params:
                     local = b.out[off : off + (e.stop - e.start) * e.row_numel]
                     off += e.seg_numel
-                    if e.shard is None:
-                        continue
+                    if e.shard is None or id(e.param) in unused:
+                        continue  # no optimizer holds it here, or no rank has its gradient (it stays as it was)
                     local = local.view(e.shard.shape).to(e.shard.dtype)
                     if e.shard.grad is None:
                         e.shard.grad = local if e.padded_rows == e.stop - e.start else local.clone()

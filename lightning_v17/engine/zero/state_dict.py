@@ -67,6 +67,33 @@ def param_group_lists(app_state: dict[str, Any]) -> list[list[list[Any]]]:
     return [[list(g["params"]) for g in osd["param_groups"]] for osd in _optim_states(app_state)]
 
 
+def drop_unsaved_optimizer_entries(app_state: dict[str, Any], optim_dir: Any) -> None:
+    """Leave out of the load template what the checkpoint's DCP directory ``optim_dir`` does not have, so that
+    the optimizers come back as ``Optimizer.load_state_dict`` would give them under DDP:
+
+    * param-group entries the save had not: an LR scheduler built after the save adds ``initial_lr`` to every group
+      (Lightning's ``lr_find`` saves, swaps in its own scheduler, then restores);
+    * the state of a parameter the saved optimizer never stepped (its gradient was always None, as for a probe head
+      that training does not call): the template gives every parameter state (``init_optimizer_state``), the save
+      has none for it, and it stays without one. A parameter with *some* saved entries is loaded strictly.
+    """
+    optim = app_state.get("optim")
+    if optim is None:
+        return
+    import torch.distributed.checkpoint as dcp
+
+    saved = set(dcp.FileSystemReader(optim_dir).read_metadata().state_dict_metadata)  # the flattened keys
+    named = {"": optim} if "param_groups" in optim else {f"{k}.": optim[k] for k in optim}
+    for prefix, osd in named.items():
+        for i, group in enumerate(osd["param_groups"]):
+            for key in [k for k in group if k != "params" and f"{prefix}param_groups.{i}.{k}" not in saved]:
+                del group[key]
+        head = f"{prefix}state."
+        stepped = {key[len(head) :].rsplit(".", 1)[0] for key in saved if key.startswith(head)}  # <fqn>.<entry>
+        for fqn in [f for f in osd["state"] if f not in stepped]:
+            del osd["state"][fqn]
+
+
 def restore_param_group_lists(app_state: dict[str, Any], lists: list[list[list[Any]]]) -> None:
     """Put this rank's own ``params`` lists back into the param groups that ``dcp.load`` replaced.
 
