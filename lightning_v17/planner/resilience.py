@@ -1,7 +1,8 @@
 """Checkpoint interval from write time and mean time between failures.
 
-Torch-free. Seed §16.8 ("Save interval tuning ∝ 1/√MTBF · 실측이 최종"): the first-order optimum is
-Young's; Daly's higher-order refinement is the one to use when the write time is not small against the MTBF.
+Torch-free. The save interval grows as √MTBF (design §16.8), and a measured write time beats an estimate: the
+first-order optimum is Young's (1974); Daly's (2006) higher-order refinement is the one to use when the write time is
+not small against the MTBF.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def peak_rss_bytes() -> int | None:
 
 
 def bar_chart(rows: Sequence[tuple[str, float, float | None]], *, width: int | None = None) -> str:
-    """Seed §1.5-style ASCII bars of measured vs planned bytes, one pair of bars per bucket.
+    """ASCII bars of measured vs planned bytes (the buckets of design §1.5), one pair of bars per bucket.
 
     Uses the planner's report helpers (:func:`lightning_v17.planner.report.bar`, ``fmt_bytes``) so measured and
     planned charts look alike. Bars are scaled to the largest value in the chart.
