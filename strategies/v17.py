@@ -26,7 +26,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from lightning_v17.strategies import _pipeline, _precision
+from lightning_v17.strategies import _lightning_compat, _pipeline, _precision
 from lightning_v17.strategies._checkpoint import ShardedCheckpoints
 from lightning_v17.strategies._collectives import WorldCollectives, init_world
 from lightning_v17.strategies._context import ContextSteps, prepare_context_parallel_model
@@ -245,6 +245,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        _lightning_compat.check_callbacks(self, trainer)  # refused now what would fail mid-run; grad_norm's norms
         if self.mesh.spec.pp > 1:
             _pipeline.check_pipeline_trainer(self, trainer)
         apply_config_to_trainer(self.policy, trainer)
@@ -264,6 +265,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            _lightning_compat.share_optimizer_overrides(self)  # self.optimizers()' zero_grad/add_param_group
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -298,7 +300,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
             loss_fn=loss_fn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             steps_inside_forward=not getattr(model, "automatic_optimization", True),
         )  # fmt: skip
-        self._balanced = balanced_layers(model)
+        self._balanced = [] if hasattr(model, "step_expert_biases") else balanced_layers(model)  # LlamaLM's: its own
         return model
 
     @override

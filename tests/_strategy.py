@@ -205,7 +205,7 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
     import torch
 
     from lightning_v17.engine.offload.handles import offload_of
-    from lightning_v17.models import LlamaLM, moe_layers, update_expert_biases
+    from lightning_v17.models import LlamaLM, moe_layers
 
     losses, norms, clip_norms, bias_steps, offloaded = [], [], [], [], []
 
@@ -216,8 +216,6 @@ def fit_moe(opt_name: str, devices: int, strategy: Any, *, overrides: dict, dp_a
                 torch.distributed.all_reduce(loss)
                 loss /= devices
             losses.append(float(loss))
-            if devices == 1:  # one process under "auto": the model's own bias update after the step (V17Strategy's)
-                update_expert_biases(pl_module.model)
             bias_steps.append([m.expert_bias.clone() for m in moe_layers(pl_module.model)])
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:

@@ -209,8 +209,8 @@ class LlamaLM(L.LightningModule):
             return
         layers = balanced_layers(self.model)
         strategy = self.trainer.strategy
-        if not layers or getattr(strategy, "_balanced", None):
-            return  # a strategy that keeps its own list of these layers updates them in its optimizer_step
+        if not layers:
+            return
         step_expert_biases(layers, group=_data_parallel_group(strategy))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

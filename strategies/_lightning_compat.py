@@ -1,0 +1,101 @@
+"""What Lightning's own callbacks and utilities assume of a strategy, made true under V17Strategy, or refused at setup.
+
+* ``lightning.pytorch.utilities.grad_norm`` reads ``p.grad`` of every parameter. At ZeRO-2 no parameter keeps its
+  whole gradient (each rank keeps its rows, on the optimizer's shard), and under ZeRO-3 or tensor parallelism the
+  gradients are DTensors, which ``torch.tensor(list_of_norms)`` cannot read. It is made to report what it reports
+  under DDP: the norms of the whole gradients (:func:`lightning_v17.engine.zero.grad_norms.grad_norms`), for a module
+  that V17Strategy set up, and is left as it is for every other module.
+* ``LightningOptimizer`` (what ``self.optimizers()`` returns) resolves ``zero_grad`` and ``add_param_group`` on the
+  optimizer's class, so what the ZeRO engine set on the optimizer itself (clearing the full gradients too; partitioning
+  an added group) is copied onto it.
+* ``StochasticWeightAveraging`` deep-copies the module before setup and copies the live parameters into that copy:
+  with sharded parameters (ZeRO-3, tensor, pipeline or expert parallelism) that copy is of DTensors into whole tensors, which
+  fails mid-run; it is refused at setup, as Lightning refuses it for FSDP and DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_v17.config import V17ConfigError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["check_callbacks", "install_grad_norm", "share_optimizer_overrides"]
+
+
+def _v17_grad_norm(module: Any, norm_type: float | str, group_separator: str = "/") -> dict[str, Any]:
+    """Lightning's ``grad_norm`` with V17's whole-gradient norms (same keys, same total)."""
+    import torch
+
+    parallel = getattr(module, "_v17_parallel", None)
+    if parallel is None or not parallel.zero.active:
+        return _ORIGINAL[0](module, norm_type, group_separator)
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    from lightning_v17.engine.zero.grad_norms import grad_norms
+
+    per_param = grad_norms(module, parallel.zero, norm_type)
+    norms = {f"grad_{norm_type}_norm{group_separator}{name}": v for name, v in per_param.items()}
+    if norms:
+        norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
+    return norms
+
+
+def _shim(module, norm_type, group_separator="/"):
+    return _v17_grad_norm(module, norm_type, group_separator)  # looked up in grad_norm's own module globals
+
+
+_ORIGINAL: list[Any] = []
+
+
+def install_grad_norm() -> None:
+    """Give ``lightning.pytorch.utilities.grad_norm`` V17's norms (idempotent). Its *code* is swapped, not the module
+    attribute: a LightningModule imported it by name (``from lightning.pytorch.utilities import grad_norm``) before
+    any strategy existed, so only the function object it holds can be reached. The swapped code calls the original
+    for any module V17Strategy did not set up."""
+    import types
+
+    from lightning.pytorch.utilities import grads
+
+    fn = grads.grad_norm
+    if _ORIGINAL:
+        return
+    _ORIGINAL.append(types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__))
+    fn.__globals__["_v17_grad_norm"] = _v17_grad_norm
+    fn.__code__ = _shim.__code__
+
+
+def share_optimizer_overrides(strategy: Any) -> None:
+    """Copy what the engine set on each optimizer (``zero_grad``, ``add_param_group``) onto its LightningOptimizer,
+    which would otherwise run the class's methods on the engine's shards only."""
+    for lightning_opt in getattr(strategy, "_lightning_optimizers", []):
+        own = vars(lightning_opt._optimizer)
+        for name in ("zero_grad", "add_param_group"):
+            if name in own:
+                setattr(lightning_opt, name, own[name])
+
+
+def check_callbacks(strategy: Any, trainer: pl.Trainer) -> None:
+    """Refuse at setup what would fail mid-run, and make ``grad_norm`` report the whole gradients (module
+    docstring)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    install_grad_norm()
+
+    swa = [c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
+    if not swa:
+        return
+    spec, zero = strategy.mesh.spec, strategy.policy.zero
+    sharded = [f"zero_stage={zero.stage}"] if zero.shards_params else []
+    sharded += [f"{axis}={getattr(spec, axis)}" for axis in ("tp", "pp", "ep") if getattr(spec, axis) > 1]
+    if sharded:
+        raise V17ConfigError(
+            f"StochasticWeightAveraging keeps a whole copy of the module, taken before setup, and copies the live "
+            f"parameters into it after each epoch; with {', '.join(sharded)} those parameters are sharded (DTensors), "
+            "which that copy cannot take (Lightning refuses it for FSDP and DeepSpeed too). Use it with "
+            "V17Strategy(zero_stage=0|1|2) and tp=pp=ep=1, or average the weights yourself (e.g. "
+            "torch.optim.swa_utils.AveragedModel over the sharded module, built in configure_model)"
+        )
