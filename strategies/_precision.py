@@ -11,7 +11,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from lightning_v17.config import LossScalePolicy
 from lightning_v17.config import Precision as V17Precision
-from lightning_v17.engine.precision import ShardedLossScaler, clip_grad_norm_
+from lightning_v17.engine.precision import ShardedLossScaler
+from lightning_v17.engine.precision.clip import clip_grad_norm_, clip_grad_value_
 from lightning_v17.trackers import LossScaleTracker
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ class ShardedClipping:
             tp_sharded=[zero.is_tp_sharded(p) for p in params] if mesh.spec.tp > 1 else None,
             tp_group=mesh.group("tp") if mesh.spec.tp > 1 else None,
         )
+
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        clip_grad_value_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
 
 
 class V17MixedPrecision(ShardedClipping, MixedPrecision):

@@ -12,13 +12,19 @@ the same global batch (the reference shares no lightning_v17 code):
   ``BaseFinetuning`` does), then trained like the rest; its added group's state is saved and resumed at other stages;
 * an optimizer that listed the frozen backbone at setup: unfrozen without ``add_param_group``, stage 0 steps it as one
   process does, stages 1-2 refuse at that step naming it (their partition left it out when it was frozen);
-* the whole gradients' norms (:func:`lightning_v17.engine.zero.grad_norms.grad_norms`) equal one process's.
+* the whole gradients' norms (:func:`lightning_v17.engine.zero.grad_norms.grad_norms`) equal one process's;
+* gradients kept across steps (a step that does not zero them, so the next backward accumulates onto them), clipped
+  by norm and by value in between: at ZeRO-1 the whole gradient behind the optimizer's shards is clipped on every
+  rank, as under DDP (clipping only a rank's own rows left the others' rows unclipped, and the next reduction
+  averaged the two), with either partition.
 
 Plain SGD (no momentum, no clipping: a gradient off by a constant factor moves the weights) and AdamW with weight
 decay. Tolerance: 1e-6 on parameters and losses (fp32, 6 steps; measured <= 1.2e-7), 1e-5 relative on norms.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -169,6 +175,64 @@ def _resume(rank: int, stage: int, path: str) -> dict:
     return result
 
 
+def _kept(model: nn.Module, step: int, params: list, clip: Any) -> bool:
+    """Clip the way the step says (norm on even steps, value on odd ones); whether to zero the gradients after it
+    (not after steps 1 and 3: the next backward accumulates onto them)."""
+    if step % 2 == 0:
+        clip.norm(params, 0.05)
+    else:
+        clip.value(params, 0.02)
+    return step not in (1, 3)
+
+
+def reference_kept() -> dict:
+    class Clip:
+        norm = staticmethod(lambda ps, v: torch.nn.utils.clip_grad_norm_(ps, v))
+        value = staticmethod(lambda ps, v: torch.nn.utils.clip_grad_value_(ps, v))
+
+    model = Net()
+    opt = _optimizer("sgd", model.parameters())
+    for step in range(STEPS):
+        loss = 0.5 * (_loss(model, _batch(step, 0), 0, 0) + _loss(model, _batch(step, 1), 1, 0))
+        loss.backward()
+        zero = _kept(model, step, [p for p in model.parameters() if p.grad is not None], Clip)
+        opt.step()
+        if zero:
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _run_kept(rank: int, stage: int, partition: str) -> dict:
+    from lightning_v17.config import MeshSpec, TrainingPolicy, ZeroPolicy
+    from lightning_v17.engine.parallelize import parallelize
+    from lightning_v17.engine.precision.clip import clip_grad_norm_, clip_grad_value_
+    from lightning_v17.mesh import MeshRuntime, build_device_mesh
+
+    spec = MeshSpec(dp_shard=2)
+    mesh = MeshRuntime(spec, build_device_mesh(spec, device_type="cpu"))
+    model = Net()
+    policy = TrainingPolicy(zero=ZeroPolicy(stage=stage, optimizer_partition=partition))
+    out = parallelize(model, mesh=mesh, policy=policy, device="cpu")
+    opt = _optimizer("sgd", model.parameters())
+    out.zero.prepare_optimizers([opt])
+
+    class Clip:  # what V17Strategy's precision plugin runs for gradient_clip_val / clip_gradients
+        norm = staticmethod(lambda ps, v: clip_grad_norm_(ps, v, group=out.zero.shard_group,
+                                                          sharded=out.zero.grad_norm_over_shards))  # fmt: skip
+        value = staticmethod(clip_grad_value_)
+
+    for step in range(STEPS):
+        _loss(model, _batch(step, rank), rank, 0).backward()
+        zero = _kept(model, step, [p for g in opt.param_groups for p in g["params"]], Clip)
+        opt.step()
+        out.zero.after_optimizer_step(opt)
+        if zero:
+            opt.zero_grad()
+    result = {n: _full(p) for n, p in model.named_parameters()}
+    out.zero.remove()
+    return result
+
+
 def _worker(rank: int, world: int, tmp: str) -> dict:
     torch.set_num_threads(1)
     res: dict = {}
@@ -180,6 +244,8 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
         res[("listed", stage)] = _run(rank, stage, "sgd", add_group=False)
     for stage in (2, 3):
         res[("resume", stage)] = _resume(rank, stage, f"{tmp}/stage1")
+    for stage, partition in ((0, "rows"), (1, "rows"), (1, "params"), (2, "rows")):
+        res[("kept", stage, partition)] = _run_kept(rank, stage, partition)
     return res
 
 
@@ -191,8 +257,8 @@ def results(tmp_path_factory):
 
 def _close(got: dict, ref: dict, tol: float = 1e-6) -> None:
     assert got.keys() == ref.keys()
-    for name in ref:
-        diff = float((got[name] - ref[name]).abs().max())
+    for name, want in ref.items():
+        diff = float((got[name] - want).abs().max())
         assert diff <= tol, (name, diff)
 
 
@@ -247,3 +313,10 @@ def test_added_group_state_resumes_resharded(results, stage):
         got = results[rank][("resume", stage)]
         assert got["loss"] == pytest.approx(float(loss), rel=1e-6)
         _close(got["params"], {n: p.detach() for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("stage,partition", [(0, "rows"), (1, "rows"), (1, "params"), (2, "rows")])
+def test_gradients_kept_across_steps_are_clipped_whole(results, stage, partition):
+    ref = reference_kept()
+    for rank in (0, 1):
+        _close(results[rank][("kept", stage, partition)], ref)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_v17.engine._dtensor import local as _local
+from lightning_v17.engine.zero.layout import whole_grads
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
@@ -108,7 +108,13 @@ def clip_grad_norm_(
         tp_group=tp_group,
     )
     coef = (float(max_norm) / (total.double() + 1e-6)).clamp(max=1.0)
-    for p in params:
-        g = _local(p.grad)  # scaling the local shard of a DTensor scales the DTensor
-        g.mul_(coef.to(device=g.device, dtype=g.dtype))
+    for g in whole_grads(params):  # ZeRO-1: the whole gradient behind each shard (scaling a DTensor's local piece
+        g.mul_(coef.to(device=g.device, dtype=g.dtype))  # scales the DTensor)
     return total
+
+
+def clip_grad_value_(params: Iterable[torch.Tensor], clip_value: float) -> None:
+    """Clamp the gradients of ``params`` to ``[-clip_value, clip_value]`` in place (``clip_grad_value_``), on the
+    whole gradients behind ZeRO-1's shards (:func:`~lightning_v17.engine.zero.layout.whole_grads`)."""
+    for g in whole_grads(params):
+        g.clamp_(min=-clip_value, max=clip_value)

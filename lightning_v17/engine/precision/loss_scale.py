@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_v17.engine._dtensor import local as _local
+from lightning_v17.engine.zero.layout import whole_grads
 from lightning_v17.trackers.loss_scale import LossScaleTracker
 
 __all__ = ["ShardedLossScaler", "optimizer_grads"]
@@ -28,21 +28,10 @@ def optimizer_grads(optimizer: Any) -> list[torch.Tensor]:
     """The local gradient tensors of everything ``optimizer`` updates (its ``param_groups``), deduplicated.
 
     Whatever the param_groups hold is what gets stepped: full parameters (DDP), DTensor shards (FSDP2 / ZeRO-3),
-    or a ZeRO-1/2 engine's flat shard tensors, so checking exactly these covers every shard once.
+    or a ZeRO-1/2 engine's shards; at ZeRO-1 the whole reduced gradient behind the shards, which must be unscaled on
+    every rank alike (:func:`~lightning_v17.engine.zero.layout.whole_grads`).
     """
-    seen: set[int] = set()
-    grads = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            g = _local(g)
-            if g.numel() == 0 or id(g) in seen:
-                continue
-            seen.add(id(g))
-            grads.append(g)
-    return grads
+    return whole_grads(p for group in optimizer.param_groups for p in group["params"])
 
 
 class ShardedLossScaler:

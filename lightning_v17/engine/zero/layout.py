@@ -114,6 +114,31 @@ class ShardParameter(nn.Parameter):
 _TENSOR_GRAD = torch.Tensor.grad  # the C attribute the properties above stand in front of
 
 
+def whole_grads(params: Any) -> list[torch.Tensor]:
+    """The gradient tensors that a scaling or an elementwise change of the gradients of ``params`` (what an optimizer
+    holds) must be applied to: clipping, and fp16's unscale. Deduplicated, local pieces of DTensors.
+
+    At ZeRO-1 a :class:`ShardParameter`'s gradient is a view of this rank's rows of the parameter's *whole* reduced
+    gradient (and with ``partition="params"`` a stand-in without one), and that whole gradient stays until
+    ``zero_grad``, equal on every rank as under DDP: a step that does not zero it accumulates the next backward onto it
+    and reduces again. Changed through the shards only, each rank would change its own rows and keep the others'
+    rows as they were, and the next reduction would average the two. So the whole gradient is changed on every rank
+    (what DDP does). Elsewhere (stage 2's shard gradients, whole parameters, DTensors) it is the tensor's own.
+    """
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for p in params:
+        whole = getattr(p, "_v17_param", None) if isinstance(p, ShardParameter) else None
+        g = whole.grad if whole is not None and whole.grad is not None else p.grad
+        if g is None:
+            continue
+        g = _local(g)
+        if g.numel() and id(g) not in seen:
+            seen.add(id(g))
+            out.append(g)
+    return out
+
+
 def shard_view(e: _Param, *, empty: bool = False) -> torch.Tensor:
     """Rows ``[start, stop)`` of ``e``'s parameter (none with ``empty``), shaped like the parameter past dim 0."""
     start, stop = (0, 0) if empty else (e.start, e.stop)
