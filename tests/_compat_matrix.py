@@ -156,12 +156,12 @@ def _short(value: Any, n: int = 60) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- verdicts
-def _clean(message: str) -> str:
-    """A message's first line without what differs between runs (temporary paths, addresses)."""
+def _clean(message: str, limit: int = 240) -> str:
+    """A message's first line without what differs between runs (temporary paths, addresses), cut at ``limit``."""
     first = message.strip().splitlines()[0] if message.strip() else ""
     first = re.sub(r"/tmp/\S+", "<tmp>", first)
     first = re.sub(r"0x[0-9a-f]+", "0x..", first)
-    return first[:240]
+    return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
 def _refusal(feature: str, err: dict, ddp_err: dict | None) -> bool:
@@ -204,7 +204,7 @@ def judge(feature: str, layout: str, ranks: list[dict | None], refs: list[dict |
     if errors:
         err = errors[0]
         if len(errors) == len(got) and all(_refusal(feature, e, ddp_err) for e in errors):
-            return {"status": "refused", "detail": _clean(err["message"])}
+            return {"status": "refused", "detail": _clean(err["message"], limit=2000)}  # the reason and the fix, whole
         # the rank that failed first is the one whose error is not a peer's timeout
         err = next((e for e in errors if "timeout" not in e["message"].lower()), err)
         where = [line.strip() for line in err.get("tb", []) if line.strip().startswith("File ")][-1:]
