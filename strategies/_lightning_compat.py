@@ -22,7 +22,7 @@ from lightning_v17.config import V17ConfigError
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["check_callbacks", "install_grad_norm", "share_optimizer_overrides"]
+__all__ = ["check_callbacks", "install_filter_on_optimizer", "install_grad_norm", "share_optimizer_overrides"]
 
 
 def _v17_grad_norm(module: Any, norm_type: float | str, group_separator: str = "/") -> dict[str, Any]:
@@ -68,6 +68,43 @@ def install_grad_norm() -> None:
     fn.__code__ = _shim.__code__
 
 
+def _filter_on_optimizer(optimizer: Any, params: Any) -> list:
+    """``BaseFinetuning.filter_on_optimizer`` by identity for an optimizer V17 prepared: Lightning's compares every
+    parameter's *values* with every held one (``torch.equal``), which DTensors of other shapes or meshes cannot do
+    (ZeRO-3, tp: it raised), and what the optimizer holds at ZeRO-1/2 are this rank's shards of the parameters
+    (:class:`~lightning_v17.engine.zero.layout.ShardParameter`, which stand for their parameter)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    from lightning_v17.optim.local_step import has_dtensor_params
+
+    groups = optimizer.param_groups
+    if getattr(optimizer, "_v17_zero", None) is None and not has_dtensor_params(groups):
+        return _ORIGINAL_FILTER[0](optimizer, params)
+    held = {id(getattr(p, "_v17_param", p)) for g in groups for p in g["params"]}
+    out, removed = [], []
+    for param in params:
+        (removed if id(param) in held else out).append(param)
+    if removed:
+        rank_zero_warn(
+            "The provided params to be frozen already exist within another group of this optimizer. Those parameters "
+            f"will be skipped.\nHINT: Did you init your optimizer in `configure_optimizer` as such:\n "
+            f"{type(optimizer)}(filter(lambda p: p.requires_grad, self.parameters()), ...) "
+        )  # Lightning's own warning
+    return out
+
+
+_ORIGINAL_FILTER: list[Any] = []
+
+
+def install_filter_on_optimizer() -> None:
+    """Give ``BaseFinetuning`` :func:`_filter_on_optimizer` (idempotent; other optimizers keep Lightning's)."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    if not _ORIGINAL_FILTER:
+        _ORIGINAL_FILTER.append(BaseFinetuning.filter_on_optimizer)
+        BaseFinetuning.filter_on_optimizer = staticmethod(_filter_on_optimizer)
+
+
 def share_optimizer_overrides(strategy: Any) -> None:
     """Copy what the engine set on each optimizer (``zero_grad``, ``add_param_group``) onto its LightningOptimizer,
     which would otherwise run the class's methods on the engine's shards only."""
@@ -84,6 +121,7 @@ def check_callbacks(strategy: Any, trainer: pl.Trainer) -> None:
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     install_grad_norm()
+    install_filter_on_optimizer()
 
     swa = [c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
     if not swa:

@@ -9,7 +9,8 @@ the same global batch (the reference shares no lightning_v17 code):
   stages 0-2 (FSDP2 reduce-scatters only the gradients a rank has, so at stage 3 every rank must use the same
   parameters: there both ranks use it);
 * a backbone frozen at setup is unfrozen at step 3 and added with ``optimizer.add_param_group`` (what Lightning's
-  ``BaseFinetuning`` does), then trained like the rest; its added group's state is saved and resumed at other stages;
+  ``BaseFinetuning`` does, right after a validation forward), then trained like the rest; its added group's state is
+  saved and resumed at other stages;
 * an optimizer that listed the frozen backbone at setup: unfrozen without ``add_param_group``, stage 0 steps it as one
   process does, stages 1-2 refuse at that step naming it (their partition left it out when it was frozen);
 * the whole gradients' norms (:func:`lightning_v17.engine.zero.grad_norms.grad_norms`) equal one process's;
@@ -60,6 +61,14 @@ def _loss(model: nn.Module, x: torch.Tensor, rank: int, stage: int) -> torch.Ten
     return (model(x, use_aux=rank == 0 or stage == 3) - x).pow(2).mean()
 
 
+def _evaluate(model: nn.Module, rank: int, stage: int) -> None:
+    """A validation forward right before the unfreeze, as Lightning runs one at the end of the epoch before
+    ``BaseFinetuning`` unfreezes: at stage 3 the last unit and the root stay gathered after a forward without backward,
+    and the gathered parameters must still take the new ``requires_grad`` (else the last unit got no gradient)."""
+    with torch.no_grad():
+        _loss(model, _batch(99, rank), rank, stage)
+
+
 def _optimizer(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=LR)
@@ -84,6 +93,7 @@ def reference(opt_name: str, *, add_group: bool, stage: int = 0) -> dict:
     losses, norms = [], []
     for step in range(STEPS):
         if step == UNFREEZE:
+            _evaluate(model, 0, stage)
             _freeze(model, False)
             if add_group:
                 opt.add_param_group({"params": list(model.layers.parameters()), "lr": LR / 2})
@@ -116,6 +126,7 @@ def _run(rank: int, stage: int, opt_name: str, *, add_group: bool, save: str | N
     try:
         for step in range(STEPS):
             if step == UNFREEZE:
+                _evaluate(model, rank, stage)
                 _freeze(model, False)
                 if add_group:
                     opt.add_param_group({"params": list(model.layers.parameters()), "lr": LR / 2})

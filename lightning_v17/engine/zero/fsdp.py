@@ -223,7 +223,25 @@ def apply_fsdp(
         # The chain runs over the units only: the child units of manual optimization run in whatever order the step
         # hook calls them (and some not at all in a given backward), so they are gathered when called.
         set_cpu_prefetch(units, root, depth=prefetch_units)
+    if root is not None:
+        root.__dict__["_v17_sharded"] = sharded
+        root.register_forward_hook(lambda m, args, out: reshard_after_no_grad(m))
     return sharded
+
+
+def reshard_after_no_grad(root: nn.Module) -> None:
+    """After a forward under ``no_grad`` (validation, test, predict), free every unit that stayed gathered.
+
+    The root and the last unit are not resharded after forward, because backward needs them first; a forward without
+    a backward left them gathered until the next one. FSDP2 copies a shard's ``requires_grad`` onto its gathered
+    parameter only when it gathers it, so a flag changed in between (``BaseFinetuning`` unfreezes a backbone at the
+    start of an epoch, right after validation) never reached the units that stayed gathered: their gradients were
+    not produced in the next step. Called after the root's forward (and after the step hook that the strategy runs
+    as the root's forward, :func:`run_as_forward`)."""
+    if torch.is_grad_enabled() or root.__dict__.get("_v17_in_step", False):
+        return  # inside a step hook, the hook may still use the root's parameters: at its end
+    for m in root.__dict__.get("_v17_sharded", ()):
+        m.reshard()
 
 
 def _shard_experts(module: nn.Module, mesh: Any, divide: float | None, rsf: bool, kw: dict) -> list[nn.Module]:
@@ -330,7 +348,11 @@ def run_as_forward(root: nn.Module, fn: Callable[..., Any], /, *args: Any, **kwa
     state = root._get_fsdp_state()  # type: ignore[operator]
     rsf = root.__dict__.get("_v17_root_reshard", False)
     state._pre_forward(root, (), {})
-    out = fn(*args, **kwargs)
+    root.__dict__["_v17_in_step"] = True
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        root.__dict__["_v17_in_step"] = False
     # A call of the root's own forward nested in the hook ran its post-forward already and left the group idle, and
     # FSDP2's reshard() frees an idle group whatever reshard_after_forward says: back in forward, the post-forward
     # below honours it (else the root is freed here and all-gathered again at the start of backward).
@@ -343,6 +365,7 @@ def run_as_forward(root: nn.Module, fn: Callable[..., Any], /, *args: Any, **kwa
     finally:
         if rsf:
             root.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+        reshard_after_no_grad(root)
 
 
 @contextmanager
