@@ -38,6 +38,13 @@ def _v17_grad_norm(module: Any, norm_type: float | str, group_separator: str = "
     from lightning_v17.engine.zero.grad_norms import grad_norms
 
     per_param = grad_norms(module, parallel.zero, norm_type)
+    if parallel.pipeline is not None:  # each stage holds its part: every stage's norms, in the model's order
+        import torch.distributed as dist
+
+        group = module._device_mesh["pp"].get_group()
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, {n: float(v) for n, v in per_param.items()}, group=group)
+        per_param = {n: torch.tensor(v) for part in parts for n, v in part.items()}
     norms = {f"grad_{norm_type}_norm{group_separator}{name}": v for name, v in per_param.items()}
     if norms:
         norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
@@ -116,24 +123,58 @@ def share_optimizer_overrides(strategy: Any) -> None:
 
 
 def check_callbacks(strategy: Any, trainer: pl.Trainer) -> None:
-    """Refuse at setup what would fail mid-run, and make ``grad_norm`` report the whole gradients (module
-    docstring)."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    """Refuse at setup what would fail or count wrong mid-run, and make ``grad_norm`` report the whole gradients
+    (module docstring)."""
+    from lightning.pytorch.callbacks import (
+        BackboneFinetuning,
+        BaseFinetuning,
+        ModelSummary,
+        StochasticWeightAveraging,
+        ThroughputMonitor,
+        WeightAveraging,
+    )
 
     install_grad_norm()
     install_filter_on_optimizer()
-
-    swa = [c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
-    if not swa:
-        return
     spec, zero = strategy.mesh.spec, strategy.policy.zero
+    callbacks = trainer.callbacks
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]
     sharded = [f"zero_stage={zero.stage}"] if zero.shards_params else []
     sharded += [f"{axis}={getattr(spec, axis)}" for axis in ("tp", "pp", "ep") if getattr(spec, axis) > 1]
-    if sharded:
+    if averaging and sharded:
         raise V17ConfigError(
-            f"StochasticWeightAveraging keeps a whole copy of the module, taken before setup, and copies the live "
-            f"parameters into it after each epoch; with {', '.join(sharded)} those parameters are sharded (DTensors), "
-            "which that copy cannot take (Lightning refuses it for FSDP and DeepSpeed too). Use it with "
+            f"{averaging[0]} keeps a whole copy of the module, taken before setup, and copies the live parameters "
+            f"into it; with {', '.join(sharded)} those parameters are sharded (DTensors, or another stage's), which "
+            "that copy cannot take (Lightning refuses it for FSDP and DeepSpeed too). Use it with "
             "V17Strategy(zero_stage=0|1|2) and tp=pp=ep=1, or average the weights yourself (e.g. "
             "torch.optim.swa_utils.AveragedModel over the sharded module, built in configure_model)"
+        )
+    dp = spec.dp
+    if dp < strategy.world_size and any(type(c) is ThroughputMonitor for c in callbacks):
+        raise V17ConfigError(
+            f"Lightning's ThroughputMonitor counts every one of the {strategy.world_size} ranks as a data-parallel "
+            f"rank (trainer.world_size), but only {dp} are here (the others are tp/pp/cp ranks of the same rows): it "
+            "would report the samples and tokens per second several times over. Use "
+            "lightning_v17.callbacks.ThroughputMonitor, which counts the data-parallel ranks of the mesh"
+        )
+    own = [type(c).__name__ for c in callbacks if isinstance(c, BaseFinetuning) and type(c) is not BackboneFinetuning]
+    if spec.pp > 1 and own:
+        raise V17ConfigError(
+            f"{own[0]} (a BaseFinetuning subclass) with pp={spec.pp}: each pipeline stage holds only its part of the "
+            "model, and the modules of the other stages are None there, so a callback that freezes or unfreezes a "
+            "module by name fails on the stages without it, after the first epoch. BackboneFinetuning (whose "
+            "backbone every stage has a part of) works with pp; or finetune with pp=1"
+        )
+    if trainer._detect_anomaly and spec.tp > 1:
+        raise V17ConfigError(
+            f"Trainer(detect_anomaly=True) with tp={spec.tp}: torch's anomaly mode checks every backward output with "
+            "aten._is_any_true, for which DTensor (tensor parallelism) has no sharding rule: backward would fail. "
+            "Look for the NaN with tp=1 (detect_anomaly works at every ZeRO stage)"
+        )
+    if spec.pp > 1 and any(isinstance(c, ModelSummary) for c in callbacks):
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            f"ModelSummary with pp={spec.pp} lists the layers rank 0 holds, pipeline stage 0's, not the whole "
+            "model; `v17 plan` gives the whole model's parameter count"
         )
