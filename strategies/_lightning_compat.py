@@ -171,6 +171,13 @@ def check_callbacks(strategy: Any, trainer: pl.Trainer) -> None:
             "aten._is_any_true, for which DTensor (tensor parallelism) has no sharding rule: backward would fail. "
             "Look for the NaN with tp=1 (detect_anomaly works at every ZeRO stage)"
         )
+    if trainer._detect_anomaly and spec.pp > 1:
+        raise V17ConfigError(
+            f"Trainer(detect_anomaly=True) with pp={spec.pp}: at the first step torch.distributed.pipelining infers "
+            "the shapes of the backward with one backward pass over uninitialized tensors, which anomaly mode may "
+            "flag as NaN (it does, now and then), ending the run. Look for the NaN with pp=1 (detect_anomaly works "
+            "at every ZeRO stage)"
+        )
     if spec.pp > 1 and any(isinstance(c, ModelSummary) for c in callbacks):
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
