@@ -110,7 +110,10 @@ FEATURES: dict[str, Feature] = {
 BITWISE = {"unused_probe_adamw"}
 
 #: (feature, layout) -> why the feature does not apply there (one short phrase)
-NOT_APPLICABLE: dict[tuple[str, str], str] = {}
+NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    ("model_summary", "pp2"): "each pipeline stage holds only its part of the model, so rank 0 summarizes stage 0's "
+    "layers (V17Strategy warns at setup); `v17 plan` counts the whole model",
+}
 
 
 # ---------------------------------------------------------------------------------------------------- comparison
