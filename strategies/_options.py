@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from enum import Enum
+from pathlib import Path
 from typing import Any, TypeVar
 
 from lightning_v17.config import (
@@ -32,10 +33,7 @@ from lightning_v17.config import (
 from lightning_v17.config.deepspeed import from_deepspeed_config
 
 P = TypeVar("P")
-#: The policy arguments of V17Strategy and their classes (``fp8`` also takes a recipe string: build_fp8_policy).
-_POLICIES: dict[str, type] = {"zero": ZeroPolicy, "offload": OffloadPolicy}
-#: The axes whose argument is a size or the axis's policy (with the size as its ``size`` field).
-_AXIS_POLICIES: dict[str, type] = {"pp": PipelinePolicy, "tp": TPPolicy, "cp": CPPolicy, "ep": EPPolicy}
+Fields = Mapping[str, Any]  # a policy as the dict of its fields (the YAML spelling)
 
 
 def axis_size(value: Any, cls: type, option: str) -> int:
@@ -73,45 +71,61 @@ def as_policy(value: Any, cls: type[P], option: str) -> P | None:
     raise V17ConfigError(f"{option}={value!r} must be {cls.__name__}(...) or the dict of its fields")
 
 
-def build_policy(given: Mapping[str, Any]) -> TrainingPolicy:
-    """Parse the constructor's arguments (``locals()`` of ``V17Strategy.__init__``) into a TrainingPolicy.
+def build_policy(
+    *,
+    zero_stage: int | None,
+    activation_checkpointing: str | None,
+    tp: int | TPPolicy | Fields,
+    pp: int | PipelinePolicy | Fields,
+    cp: int | CPPolicy | Fields,
+    ep: int | EPPolicy | Fields,
+    zero: ZeroPolicy | Fields | None,
+    offload: OffloadPolicy | Fields | None,
+    fp8: FP8Policy | str | Fields | None,
+    config: str | Path | Fields | None,
+) -> TrainingPolicy:
+    """Parse ``V17Strategy``'s policy arguments (each as the user gave it, None: not given) into a TrainingPolicy.
 
     Raises:
         V17ConfigError: ``zero_stage`` together with ``zero=``, an unknown value, or an nvme tier whose
             ``nvme_path`` is missing or unwritable.
     """
-    config = given["config"]
     base = from_deepspeed_config(config) if config is not None else TrainingPolicy()
-    objs = {n: as_policy(given[n], cls, n) for n, cls in _POLICIES.items()}  # the policies given (None: not given)
-    objs |= {n: axis_policy(given[n], cls, n) for n, cls in _AXIS_POLICIES.items()}
-    zero, stage = objs["zero"], given["zero_stage"]
-    if zero is not None and stage is not None:
+    objs = {  # the policies given (None: not given)
+        "zero": as_policy(zero, ZeroPolicy, "zero"),
+        "offload": as_policy(offload, OffloadPolicy, "offload"),
+        "pp": axis_policy(pp, PipelinePolicy, "pp"),
+        "tp": axis_policy(tp, TPPolicy, "tp"),
+        "cp": axis_policy(cp, CPPolicy, "cp"),
+        "ep": axis_policy(ep, EPPolicy, "ep"),
+    }
+    zero_policy = objs["zero"]
+    if zero_policy is not None and zero_stage is not None:
         raise V17ConfigError(
-            f"zero_stage={stage!r} and zero=ZeroPolicy(stage={zero.stage}, ...) both set the ZeRO stage; give the stage "
-            "once: inside zero=ZeroPolicy(stage=...), or zero_stage= alone"
+            f"zero_stage={zero_stage!r} and zero=ZeroPolicy(stage={zero_policy.stage}, ...) both set the ZeRO stage; "
+            "give the stage once: inside zero=ZeroPolicy(stage=...), or zero_stage= alone"
         )
-    if zero is None:
-        zero = base.zero if stage is None else replace(base.zero, stage=stage)
-    offload = objs["offload"] or base.offload
-    if Tier.NVME in (offload.optimizer, offload.params, offload.activations):
+    if zero_policy is None:
+        zero_policy = base.zero if zero_stage is None else replace(base.zero, stage=zero_stage)
+    offload_policy = objs["offload"] or base.offload
+    if Tier.NVME in (offload_policy.optimizer, offload_policy.params, offload_policy.activations):
         from lightning_v17.engine.offload.nvme import check_nvme_path
 
-        check_nvme_path(offload.nvme_path)  # exists and is writable: now, before any process starts
-    if offload.activations == Tier.CPU:
+        check_nvme_path(offload_policy.nvme_path)  # exists and is writable: now, before any process starts
+    if offload_policy.activations == Tier.CPU:
         from lightning_v17.engine.offload.activations import check_activation_tier
 
-        check_activation_tier(offload.activations)  # CUDA only: refused here, now
-    recompute = given["activation_checkpointing"]
+        check_activation_tier(offload_policy.activations)  # CUDA only: refused here, now
     policy = replace(
         base,
-        zero=zero,
-        offload=offload,
-        pipeline=replace(objs["pp"] or base.pipeline, size=axis_size(given["pp"], PipelinePolicy, "pp")),
-        tensor_parallel=replace(objs["tp"] or base.tensor_parallel, size=axis_size(given["tp"], TPPolicy, "tp")),
-        context=replace(objs["cp"] or base.context, size=axis_size(given["cp"], CPPolicy, "cp")),
-        expert=replace(objs["ep"] or base.expert, size=axis_size(given["ep"], EPPolicy, "ep")),
-        recompute=base.recompute if recompute is None else Recompute.parse(recompute),
-        fp8=build_fp8_policy(given["fp8"]),
+        zero=zero_policy,
+        offload=offload_policy,
+        pipeline=replace(objs["pp"] or base.pipeline, size=axis_size(pp, PipelinePolicy, "pp")),
+        tensor_parallel=replace(objs["tp"] or base.tensor_parallel, size=axis_size(tp, TPPolicy, "tp")),
+        context=replace(objs["cp"] or base.context, size=axis_size(cp, CPPolicy, "cp")),
+        expert=replace(objs["ep"] or base.expert, size=axis_size(ep, EPPolicy, "ep")),
+        recompute=base.recompute if activation_checkpointing is None else Recompute.parse(activation_checkpointing),
+        fp8=build_fp8_policy(fp8),
     )
     _warn_inapplicable(policy, objs, pp=policy.pipeline.size)
     return policy
@@ -139,13 +153,16 @@ def build_fp8_policy(fp8: Any) -> FP8Policy | None:
     return policy
 
 
-def check_axes(*, pp: int, dp_replicate: int, dp_shard: int | str, cp: int, tp: int, ep: int = 1) -> dict[str, Any]:
-    """Validate the fixed axis sizes now (a typo fails at construction, not after launch); the axes as a dict.
+def check_axes(policy: TrainingPolicy, *, dp_replicate: int, dp_shard: int | str) -> dict[str, Any]:
+    """Validate the fixed axis sizes now (a typo fails at construction, not after launch); the axes as a dict, the
+    sizes of pp, cp, tp and ep read from ``policy`` (after the config's).
 
     Raises:
         V17ConfigError: a size that is not a positive integer, a bad ``dp_shard``, or an ``ep`` that a
             given ``dp_shard`` is not a multiple of.
     """
+    pp, cp, tp = policy.pipeline.size, policy.context.size, policy.tensor_parallel.size
+    ep = policy.expert.size
     MeshSpec(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)
     if not (dp_shard in ("auto", -1) or (isinstance(dp_shard, int) and dp_shard >= 1)):
         raise V17ConfigError(f"dp_shard={dp_shard!r} must be a positive integer or 'auto'")
@@ -175,7 +192,7 @@ def _show(name: str, value: Any) -> str:
 def _warn_inapplicable(policy: TrainingPolicy, objs: Mapping[str, Any], *, pp: int) -> None:
     """One warning per option that was set but cannot apply to this configuration (never silently ignored): the
     fields of each given policy (``objs``) that differ from that policy's own defaults."""
-    zero, offload = (_changed(objs[n], _POLICIES[n]) for n in ("zero", "offload"))
+    zero, offload = _changed(objs["zero"], ZeroPolicy), _changed(objs["offload"], OffloadPolicy)
     pipeline, context = _changed(objs["pp"], PipelinePolicy), _changed(objs["cp"], CPPolicy)
     expert = _changed(objs["ep"], EPPolicy)
     notes = []

@@ -125,11 +125,10 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
         hang_timeout: float | None = None,
     ) -> None:
         super().__init__()  # accelerator, devices, cluster environment, checkpoint IO, precision: set by the Trainer
-        self.policy = build_policy(dict(locals()))
-        pp, tp, cp, ep = (self.policy.pipeline.size, self.policy.tensor_parallel.size, self.policy.context.size,
-                          self.policy.expert.size)  # fmt: skip
-        self._axes = check_axes(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
-        check_composition(self.policy, pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate)  # config/rules.py
+        self.policy = build_policy(zero_stage=zero_stage, activation_checkpointing=activation_checkpointing, tp=tp,
+                                   pp=pp, cp=cp, ep=ep, zero=zero, offload=offload, fp8=fp8, config=config)  # fmt: skip
+        self._axes = check_axes(self.policy, dp_replicate=dp_replicate, dp_shard=dp_shard)
+        check_composition(self.policy, **{a: self._axes[a] for a in ("pp", "tp", "ep", "cp", "dp_replicate")})
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._hang_timeout = check_hang_timeout(hang_timeout)
         self._watchdog: StepWatchdog | None = None

@@ -43,7 +43,7 @@ def test_each_example_violates_only_its_own_rule_first(rule, tmp_path) -> None:
 
     given = {n: p.default for n, p in inspect.signature(V17Strategy.__init__).parameters.items() if n != "self"}
     given.update(_example(rule, tmp_path))
-    policy = build_policy(given)
+    policy = build_policy(**{n: given[n] for n in inspect.signature(build_policy).parameters})
     found = violations(Layout(policy, pp=policy.pipeline.size, tp=policy.tensor_parallel.size, ep=given["ep"],
                               cp=policy.context.size, dp_replicate=given["dp_replicate"]))
     assert found and found[0][0] is rule, [r.name for r, _ in found]
