@@ -48,6 +48,7 @@ from lightning_v17.engine.recompute import apply_activation_checkpointing
 from lightning_v17.engine.tp.apply import apply_tensor_parallel
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.llama import Llama
+from lightning_v17.models.tp_plans import resolve_tp_plan
 from lightning_v17.planner import memory as mem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -175,7 +176,7 @@ def measure_tp_saved_activation_bytes_per_layer(
     for layers in (1, 2):
         torch.manual_seed(0)
         model = Llama(replace(config, layers=layers)).to(dtype=dtype).train()
-        apply_tensor_parallel(model, tp_mesh=tp_mesh, sequence_parallel=sequence_parallel)
+        apply_tensor_parallel(model, tp_mesh=tp_mesh, plan=resolve_tp_plan(model, sequence_parallel=sequence_parallel))
         apply_activation_checkpointing(model, mode=recompute, units=model.recompute_units())
         param_ptrs = {_storage(p).data_ptr() for p in model.parameters()}
         tokens = torch.randint(0, config.vocab_size, (micro_batch, seq))

@@ -1,9 +1,10 @@
 """Where a tensor-parallel plan comes from, and the model-family knowledge behind it.
 
-``lightning_v17.engine.tp.apply`` shards whatever plan it is handed and knows no model. This module finds the
-plan, from the first source that has one (:func:`resolve_tp_plan`):
+``lightning_v17.engine.tp.apply`` shards whatever plan it is handed and knows no model. This module is the one place
+that finds the plan, from the first source that has one (:func:`resolve_tp_plan`); every caller of the engine
+(``V17Strategy``, ``parallelize(tp_plan=...)`` users, tests and benchmarks) resolves through it:
 
-1. the strategy's ``tp_plan=`` option (``explicit``), a dict ``{fqn: style}``;
+1. the strategy's ``TPPolicy(plan=...)`` (``explicit``), a dict ``{fqn: style}``;
 2. the LightningModule: a ``configure_tensor_parallel(mesh)`` method (it applies its own plan) or a ``tp_plan`` dict;
 3. the model's own plan, for every submodule of a family this module knows:
 

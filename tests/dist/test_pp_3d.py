@@ -74,13 +74,14 @@ def _tp_dp_fsdp(base) -> dict:
     from lightning_v17.engine.tp.apply import apply_tensor_parallel
     from lightning_v17.engine.zero.stages_0_2 import apply_zero
     from lightning_v17.mesh import build_device_mesh
+    from lightning_v17.models.tp_plans import resolve_tp_plan
 
     mesh = build_device_mesh(MeshSpec(dp_shard=2, tp=2), device_type="cpu")
     dp_rank = mesh["dp"].get_local_rank()
     steps = _batches(2, 400)
     ref_losses, ref_params = reference_run(base, steps)
     model = copy.deepcopy(base)
-    apply_tensor_parallel(model, tp_mesh=mesh["tp"], sequence_parallel=True)
+    apply_tensor_parallel(model, tp_mesh=mesh["tp"], plan=resolve_tp_plan(model, sequence_parallel=True))
     # FSDP2 over dp_shard on top of the TP DTensors: 2-D (dp_shard, tp). apply_zero expects the LightningModule as
     # root (it shards the root's children), so hold the Llama the way LlamaLM does, as `.model`.
     holder = torch.nn.Module()
@@ -108,6 +109,7 @@ def _pp_tp(base) -> dict:
     from lightning_v17.engine.tp.apply import apply_tensor_parallel
     from lightning_v17.mesh import build_device_mesh
     from lightning_v17.models.pp_layouts import model_pipeline_layout
+    from lightning_v17.models.tp_plans import resolve_tp_plan
 
     mesh = build_device_mesh(MeshSpec(pp=2, tp=2), device_type="cpu")
     steps = _batches(1, 500)
@@ -118,7 +120,8 @@ def _pp_tp(base) -> dict:
         model, layout=model_pipeline_layout(model), pp_rank=mesh["pp"].get_local_rank(), pp=2, policy=policy
     )
     # TP on the pruned model: the stage views share its submodules, so they are parallelized too
-    apply_tensor_parallel(model, tp_mesh=mesh["tp"], sequence_parallel=True, vocab_parallel=True, loss_parallel=True)
+    plan = resolve_tp_plan(model, sequence_parallel=True, vocab_parallel=True, loss_parallel=True)
+    apply_tensor_parallel(model, tp_mesh=mesh["tp"], plan=plan)
     runtime = build_schedule(
         stage_modules, stage_ids=stage_ids, pp_mesh=mesh["pp"], policy=policy, device="cpu", loss_parallel=True
     )

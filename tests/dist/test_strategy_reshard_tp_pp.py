@@ -202,14 +202,15 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
     AdamW moments and parameters with a single-process AdamW step computed on every rank."""
     import torch.nn.functional as F
 
-    from lightning_v17.config import MeshSpec
-    from lightning_v17.engine.zero import state_dict as SD
-    from lightning_v17.engine.zero import stages_0_2 as Z
     from lightning_v17.checkpoint.sharded import load_sharded, save_sharded
+    from lightning_v17.config import MeshSpec
     from lightning_v17.engine.tp.apply import apply_tensor_parallel
+    from lightning_v17.engine.zero import stages_0_2 as Z
+    from lightning_v17.engine.zero import state_dict as SD
     from lightning_v17.engine.zero.backend import ZeroBackend
     from lightning_v17.mesh import build_device_mesh
     from lightning_v17.models import Llama, ModelConfig
+    from lightning_v17.models.tp_plans import resolve_tp_plan
 
     torch.set_num_threads(1)
     cfg = ModelConfig.from_preset("tiny", layers=1, hidden=64, heads=4, kv_heads=2, ffn=96)
@@ -233,7 +234,7 @@ def _tp_dp_worker(rank: int, world: int, root: str) -> dict:
     def build(spec: MeshSpec):
         mesh = build_device_mesh(spec, device_type="cpu")
         model = Llama(cfg, init_seed=0)
-        apply_tensor_parallel(model, tp_mesh=mesh["tp"])
+        apply_tensor_parallel(model, tp_mesh=mesh["tp"], plan=resolve_tp_plan(model))
         engine = Z.apply_zero(model, stage=1, mesh=mesh)
         opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
         backend = ZeroBackend(

@@ -85,6 +85,7 @@ def _worker(rank: int, world: int) -> dict:
     from lightning_v17.engine.tp.apply import apply_tensor_parallel, loss_parallel_context
     from lightning_v17.engine.zero import fsdp as fsdp_engine
     from lightning_v17.mesh import MeshRuntime, build_device_mesh
+    from lightning_v17.models.tp_plans import resolve_tp_plan
 
     torch.set_num_threads(1)
     out: dict = {}
@@ -130,7 +131,7 @@ def _worker(rank: int, world: int) -> dict:
         ("tp_mlp", 7, {}),
     ):
         lm = _lm(mlp_chunk=mlp_chunk, loss_chunk=11)
-        apply_tensor_parallel(lm.model, tp_mesh=tp_mesh, **kw)
+        apply_tensor_parallel(lm.model, tp_mesh=tp_mesh, plan=resolve_tp_plan(lm.model, **kw))
         opt = torch.optim.SGD(lm.parameters(), lr=LR)
         losses = []
         for s in range(STEPS):
@@ -142,7 +143,7 @@ def _worker(rank: int, world: int) -> dict:
             losses.append(float(_full(loss.detach())))
         out[name] = {"losses": losses, "params": {n: _full(p).detach().clone() for n, p in lm.model.named_parameters()}}
     lm = _lm(mlp_chunk=7, loss_chunk=11)
-    apply_tensor_parallel(lm.model, tp_mesh=tp_mesh, sequence_parallel=True)
+    apply_tensor_parallel(lm.model, tp_mesh=tp_mesh, plan=resolve_tp_plan(lm.model, sequence_parallel=True))
     try:
         lm.loss(_batch(0))
         out["tp_sp_mlp_error"] = "no error"

@@ -143,6 +143,7 @@ def _tp_worker(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_v17.engine.tp.apply import apply_tensor_parallel, loss_parallel_context
+    from lightning_v17.models.tp_plans import resolve_tp_plan
 
     torch.set_num_threads(1)
     tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"]
@@ -157,7 +158,7 @@ def _tp_worker(rank: int, world: int, tmp: str) -> dict:
         "tp_vocab_loss": {"vocab_parallel": True, "loss_parallel": True},
     }.items():
         model = copy.deepcopy(base)
-        apply_tensor_parallel(model, tp_mesh=tp_mesh, **kw)
+        apply_tensor_parallel(model, tp_mesh=tp_mesh, plan=resolve_tp_plan(model, **kw))
         opt = make_optimizer(model.parameters())
         lp = kw.get("loss_parallel", False)
         losses, comms = [], {}
@@ -198,6 +199,7 @@ def _tp_checkpoint_roundtrip(rank, tmp, tp_model, base, ref_params, tp_mesh) -> 
 
     from lightning_v17.checkpoint.sharded import load_full_state_dict, load_sharded, save_sharded
     from lightning_v17.engine.tp.apply import apply_tensor_parallel
+    from lightning_v17.models.tp_plans import resolve_tp_plan
 
     path = f"{tmp}/tp2"
     save_sharded(path, app_state={"model": tp_model.state_dict()}, trainer_state={}, meta={"tp": 2})
@@ -218,7 +220,8 @@ def _tp_checkpoint_roundtrip(rank, tmp, tp_model, base, ref_params, tp_mesh) -> 
         )
     dist.barrier()
     fresh = tiny_model(7)  # other weights, overwritten by the load
-    apply_tensor_parallel(fresh, tp_mesh=tp_mesh, sequence_parallel=True, vocab_parallel=True, loss_parallel=True)
+    plan = resolve_tp_plan(fresh, sequence_parallel=True, vocab_parallel=True, loss_parallel=True)
+    apply_tensor_parallel(fresh, tp_mesh=tp_mesh, plan=plan)
     load_sharded(f"{tmp}/tp1", app_state={"model": fresh.state_dict()})
     tp1_to_tp2 = compare_params(dict(fresh.named_parameters()), ref_params)
     return {"tp2_to_tp1": tp2_to_tp1, "tp1_to_tp2": tp1_to_tp2}

@@ -161,7 +161,9 @@ class _FakeMesh:
 
 
 def test_tensor_parallel_plan_sources():
+    """``resolve_tp_plan`` finds the plan (the module's hook, else the model's own); the engine shards it."""
     from lightning_v17.engine.tp.apply import apply_tensor_parallel
+    from lightning_v17.models.tp_plans import resolve_tp_plan
 
     seen = []
 
@@ -169,13 +171,14 @@ def test_tensor_parallel_plan_sources():
         def configure_tensor_parallel(self, mesh) -> None:
             seen.append(mesh)
 
-    mesh = _FakeMesh()
-    apply_tensor_parallel(WithHook(), tp_mesh=mesh)
+    mesh, hooked = _FakeMesh(), WithHook()
+    apply_tensor_parallel(hooked, tp_mesh=mesh, plan=resolve_tp_plan(hooked))
     assert seen == [mesh]  # the module's own hook wins
     with pytest.raises(V17ConfigError, match="configure_tensor_parallel"):
-        apply_tensor_parallel(torch.nn.Linear(4, 4), tp_mesh=mesh)  # no plan anywhere: say how to give one
+        resolve_tp_plan(torch.nn.Linear(4, 4))  # no plan anywhere: say how to give one
+    model = _model(heads=4, kv_heads=1)
     with pytest.raises(V17ConfigError, match="tp=2 must divide num_key_value_heads=1"):
-        apply_tensor_parallel(_model(heads=4, kv_heads=1), tp_mesh=mesh)  # validated before any sharding
+        apply_tensor_parallel(model, tp_mesh=mesh, plan=resolve_tp_plan(model))  # validated before any sharding
 
 
 # ------------------------------------------------------------------------------------- the engine, model-agnostic

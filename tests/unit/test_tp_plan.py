@@ -20,6 +20,7 @@ from lightning_v17.engine.tp.apply import (
     PARALLEL_STYLES,
     apply_tensor_parallel,
     expand_plan,
+    llama_tp_plan,
     parallel_style,
 )
 from lightning_v17.models import Llama, ModelConfig
@@ -76,6 +77,16 @@ def test_engine_imports_nothing_from_models():
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {m for m in mods if m.startswith("lightning_v17.models")}, mods
+
+
+def test_engine_shards_the_plan_it_is_handed_and_looks_for_none():
+    """No plan is a refusal that names the resolver, even on a module that carries a hook and a ``tp_plan`` dict:
+    finding those is ``resolve_tp_plan``'s job alone."""
+    net = _Net()
+    net.tp_plan = {"head": "colwise"}
+    net.configure_tensor_parallel = lambda mesh: pytest.fail("the engine called the module's hook itself")
+    with pytest.raises(V17ConfigError, match=r"tp=2 needs a tensor-parallel plan for _Net: pass plan=.*resolve_tp_plan"):
+        apply_tensor_parallel(net, tp_mesh=_FakeMesh(), plan=None)
 
 
 def test_style_names_map_to_dtensor_styles():
@@ -276,7 +287,7 @@ def test_llama_without_its_own_roles_gets_megatron_defaults():
     bare = resolve_tp_plan(Bare(cfg))
     assert {k: type(v) for k, v in bare.styles.items()} == {k: type(v) for k, v in with_hook.styles.items()}
     with pytest.raises(V17ConfigError, match="tensor_parallel_plan"):  # the engine alone has no default table
-        apply_tensor_parallel(Bare(cfg), tp_mesh=_FakeMesh())
+        llama_tp_plan(Bare(cfg))
 
 
 # ------------------------------------------------------------------------------------------------------ resolution

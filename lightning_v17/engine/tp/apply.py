@@ -1,9 +1,11 @@
 """Megatron-style tensor parallelism (and sequence parallelism) through DTensor ``parallelize_module``, for any model.
 
 The engine is model-agnostic: a *plan* says which submodule gets which ``ParallelStyle``; the engine expands and
-checks it, then shards. Plans come from the caller (``lightning_v17.models.tp_plans.resolve_tp_plan`` finds them on
-the strategy's options, on the LightningModule, or on the model: torchtitan-shaped Llama, Hugging Face
-``base_model_tp_plan``, litgpt ``GPT``); this module imports nothing from ``lightning_v17.models``.
+checks it, then shards. Plans come from the caller, always: the one resolver,
+``lightning_v17.models.tp_plans.resolve_tp_plan``, finds them on the strategy's options, on the LightningModule, or on
+the model (torchtitan-shaped Llama, Hugging Face ``base_model_tp_plan``, litgpt ``GPT``). This module imports nothing
+from ``lightning_v17.models`` and looks for no plan itself; :func:`llama_tp_plan` builds the torchtitan-shaped plan
+from the projection roles the model hands it.
 
 A plan is either
 
@@ -375,50 +377,41 @@ def llama_tp_plan(
 
 
 def apply_tensor_parallel(
-    module: nn.Module,
-    *,
-    tp_mesh: DeviceMesh,
-    plan: TPPlan | None = None,
-    sequence_parallel: bool = False,
-    vocab_parallel: bool = False,
-    loss_parallel: bool = False,
+    module: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan, sequence_parallel: bool = False
 ) -> nn.Module:
     """Apply tensor (and sequence) parallelism in place over ``tp_mesh``; returns ``module``.
 
     Call it after the PP split and before activation checkpointing and ZeRO/FSDP2 (torchtitan's order). With a
-    size-1 mesh it does nothing.
+    size-1 mesh it does nothing. The engine shards the plan it is handed and looks for none itself:
+    ``lightning_v17.models.tp_plans.resolve_tp_plan`` is the one place that finds a module's plan (the strategy's
+    ``TPPolicy(plan=...)``, the module's ``configure_tensor_parallel(mesh)`` or ``tp_plan`` dict, the plan a
+    torchtitan-shaped, Hugging Face or litgpt model supplies) and shapes it with sequence, vocab and loss parallel.
 
     Args:
         module: any ``nn.Module`` (a LightningModule, a model, or a PP stage).
         tp_mesh: the 1-D "tp" mesh axis (``mesh["tp"]``).
         plan: ``{fqn: style}`` (wildcards and style names allowed, see :func:`expand_plan`) or a callable
-            ``plan(module, tp_mesh)`` that applies itself. ``lightning_v17.models.tp_plans.resolve_tp_plan`` finds
-            the plan of a Hugging Face, litgpt or torchtitan-shaped model. ``None``: the module's own
-            ``configure_tensor_parallel(mesh)`` method, else its ``tp_plan`` dict, else the plan of every
-            torchtitan-shaped Llama submodule that has a ``tensor_parallel_plan()`` method (:func:`llama_tp_plan`).
-        sequence_parallel: only with ``plan=None`` (a given plan already encodes it): shard norms/dropout along the
-            sequence dim (all-gather + reduce-scatter instead of the all-reduce; Korthikanti 2022 §4.2.2).
-        vocab_parallel: only with ``plan=None``: split the embedding table along the vocab dim.
-        loss_parallel: only with ``plan=None``: leave the logits sharded along the vocab dim; the loss and its
-            backward must then run inside :func:`loss_parallel_context` (the pipeline engine does that itself).
+            ``plan(module, tp_mesh)`` that applies itself, e.g. ``resolve_tp_plan(module, sequence_parallel=True)``.
+        sequence_parallel: not read: the plan already says which modules run sequence-parallel (the resolver's
+            ``sequence_parallel=`` shapes it); accepted because ``engine.parallelize`` passes it.
 
     Returns:
         ``module``, parallelized in place.
 
     Raises:
-        V17ConfigError: a plan key that matches no submodule, an unknown style name, a plan that would untie shared
-            weights (all raised before anything is sharded); with ``plan=None``: tp does not divide heads/kv_heads/
-            ffn (or the vocab when vocab/loss parallel), naming the valid values, or the module has no plan.
+        V17ConfigError: no plan (the message names the resolver), a plan key that matches no submodule, an unknown
+            style name, a plan that would untie shared weights (all raised before anything is sharded).
     """
     tp = tp_mesh.size()
     if tp == 1:
         return module
     if plan is None:
-        hook = getattr(module, "configure_tensor_parallel", None)
-        if callable(hook):
-            hook(tp_mesh)
-            return module
-        plan = _builtin_plan(module, tp, sequence_parallel, vocab_parallel, loss_parallel)
+        raise V17ConfigError(
+            f"tp={tp} needs a tensor-parallel plan for {type(module).__name__}: pass "
+            f"plan=lightning_v17.models.tp_plans.resolve_tp_plan(module) (it finds the module's "
+            f"configure_tensor_parallel(self, mesh) or `tp_plan` dict, and the plans Hugging Face, litgpt and "
+            f"torchtitan-style models supply), or a dict {{fqn: style}}"
+        )
     if isinstance(plan, Mapping):
         _apply_mapping(module, tp_mesh, plan)
     elif callable(plan):
@@ -428,36 +421,6 @@ def apply_tensor_parallel(
             f"plan must be a dict {{fqn: style}} or a callable plan(module, tp_mesh); got {type(plan).__name__}"
         )
     return module
-
-
-def _builtin_plan(
-    module: nn.Module, tp: int, sequence_parallel: bool, vocab_parallel: bool, loss_parallel: bool
-) -> Mapping[str, str | ParallelStyle]:
-    """``plan=None``: the module's ``tp_plan`` dict, else every Llama submodule's plan (validated first)."""
-    user_plan = getattr(module, "tp_plan", None)
-    if isinstance(user_plan, Mapping) and user_plan:
-        return user_plan
-    llamas = find_llama_modules(module)
-    if not llamas:
-        raise V17ConfigError(
-            f"tp={tp} needs a tensor-parallel plan but {type(module).__name__} has none: implement "
-            f"configure_tensor_parallel(self, mesh) or set a `tp_plan` dict {{fqn: style}}, or pass "
-            f"plan=lightning_v17.models.tp_plans.resolve_tp_plan(module) (Hugging Face, litgpt and torchtitan-style "
-            f"models supply their own)"
-        )
-    plan: dict[str, ParallelStyle] = {}
-    for prefix, llama in llamas:
-        check_tensor_parallel(llama, tp=tp, vocab_parallel=vocab_parallel, loss_parallel=loss_parallel)
-        if getattr(getattr(llama, "config", None), "tie_embeddings", False) and (vocab_parallel or loss_parallel):
-            raise V17ConfigError(
-                "vocab_parallel/loss_parallel with tie_embeddings=True would shard the shared table two ways; "
-                "set tie_embeddings=False or turn the vocab-parallel options off"
-            )
-        sub = llama_tp_plan(
-            llama, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, loss_parallel=loss_parallel
-        )
-        plan.update({f"{prefix}.{k}" if prefix else k: v for k, v in sub.items()})
-    return plan
 
 
 @contextlib.contextmanager
