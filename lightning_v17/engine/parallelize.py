@@ -339,9 +339,7 @@ def parallelize(
     if spec.tp > 1:  # 3. DTensor plans over the tp axis
         from lightning_v17.engine.tp.apply import apply_tensor_parallel
 
-        apply_tensor_parallel(
-            module, tp_mesh=mesh["tp"], plan=tp_plan, sequence_parallel=policy.tensor_parallel.sequence_parallel
-        )
+        apply_tensor_parallel(module, tp_mesh=mesh["tp"], plan=tp_plan)
     ep = None
     if spec.ep > 1:  # 3b. the MoE layers' experts over ep, all-to-all dispatch (engine/ep/)
         ep = apply_expert_parallel(

@@ -376,9 +376,7 @@ def llama_tp_plan(
     return plan
 
 
-def apply_tensor_parallel(
-    module: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan, sequence_parallel: bool = False
-) -> nn.Module:
+def apply_tensor_parallel(module: nn.Module, *, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
     """Apply tensor (and sequence) parallelism in place over ``tp_mesh``; returns ``module``.
 
     Call it after the PP split and before activation checkpointing and ZeRO/FSDP2 (torchtitan's order). With a
@@ -392,8 +390,6 @@ def apply_tensor_parallel(
         tp_mesh: the 1-D "tp" mesh axis (``mesh["tp"]``).
         plan: ``{fqn: style}`` (wildcards and style names allowed, see :func:`expand_plan`) or a callable
             ``plan(module, tp_mesh)`` that applies itself, e.g. ``resolve_tp_plan(module, sequence_parallel=True)``.
-        sequence_parallel: not read: the plan already says which modules run sequence-parallel (the resolver's
-            ``sequence_parallel=`` shapes it); accepted because ``engine.parallelize`` passes it.
 
     Returns:
         ``module``, parallelized in place.
