@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._adamw_parity import assert_params_close, reference_with_amplification
 from tests._dist import spawn
 from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe, v17
 
@@ -54,7 +55,8 @@ def references() -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    return {name: fit_moe(name, 1, "auto", overrides=OVERRIDES) for name in MOE_OPTIMIZERS}
+    return {name: reference_with_amplification(lambda name=name: fit_moe(name, 1, "auto", overrides=OVERRIDES))
+            for name in MOE_OPTIMIZERS}  # fmt: skip
 
 
 @pytest.mark.timeout(500)
@@ -77,9 +79,8 @@ def test_ep2_inside_pp2_matches_one_process(results, references, opt_name) -> No
         assert got["norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["norms"], ref["norms"])
         if MOE_OPTIMIZERS[opt_name] is not None:
             assert got["clip_norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["clip_norms"])
-        for name, p in got["params"].items():
-            torch.testing.assert_close(p, ref["params"][name], rtol=TOL, atol=TOL, msg=f"rank {rank} {name}")
-            params[name] = p
+        assert_params_close(got["params"], ref, tol=TOL, msg=f"rank {rank}")  # AdamW: tests/_adamw_parity.py
+        params.update(got["params"])
     assert params.keys() == ref["params"].keys()  # the two stages hold the whole model between them
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._adamw_parity import assert_params_close, reference_with_amplification
 from tests._dist import spawn
 from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe
 
@@ -50,7 +51,8 @@ def references() -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    return {name: fit_moe(name, 1, "auto", overrides=OVERRIDES) for name in MOE_OPTIMIZERS}
+    return {name: reference_with_amplification(lambda name=name: fit_moe(name, 1, "auto", overrides=OVERRIDES))
+            for name in MOE_OPTIMIZERS}  # fmt: skip
 
 
 @pytest.mark.timeout(500)
@@ -73,7 +75,6 @@ def test_ep2_tp2_matches_one_process(results, references, opt_name) -> None:
         if MOE_OPTIMIZERS[opt_name] is not None:
             assert got["clip_norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["clip_norms"])
         assert got["params"].keys() == ref["params"].keys()
-        for name, want in ref["params"].items():
-            torch.testing.assert_close(got["params"][name], want, rtol=TOL, atol=TOL, msg=f"rank {rank} {name}")
+        assert_params_close(got["params"], ref, tol=TOL, msg=f"rank {rank}")  # AdamW: tests/_adamw_parity.py
         for b, want in zip(got["biases"], ref["biases"]):
             assert torch.equal(b, want), (rank, b, want)
