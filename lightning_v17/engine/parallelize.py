@@ -169,7 +169,7 @@ def apply_zero_stage(
 
 
 def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: TrainingPolicy) -> None:
-    """``offload_params="nvme"``: the FSDP2 groups' shards to the nvme tier (root group first, then the units in
+    """``OffloadPolicy(params="nvme")``: the FSDP2 groups' shards to the nvme tier (root group first, then the units in
     module order, i.e. forward order); the optimizer's step then streams them (``ZeroBackend.prepare_optimizers``)."""
     if policy.offload.params != Tier.NVME or not backend.shards_params:
         return
