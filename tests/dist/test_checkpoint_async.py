@@ -188,6 +188,7 @@ def _run_v17(rank: int, world: int, root: str, phase: str) -> dict:
         max_steps=6,
         callbacks=[cb],
         logger=False,
+        default_root_dir=root,  # Lightning's own ModelCheckpoint writes there, not into the working directory
         enable_progress_bar=False,
         enable_model_summary=False,
     )
