@@ -64,7 +64,7 @@ def _run(rank: int, world: int, root: str, phase: str, params: str = "none") -> 
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_steps=STEPS, callbacks=[cb, KillAfterStep()], logger=False,
         strategy=V17Strategy(zero_stage=3, offload=OffloadPolicy(optimizer="nvme", params=params, nvme_path=str(nvme))),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root,
     )  # fmt: skip
     trainer.fit(
         _make_module()(str(Path(root) / f"losses-{phase}.jsonl")), ckpt_path="last" if phase == "resume" else None

@@ -99,6 +99,7 @@ def main() -> None:
         accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
         callbacks=[*extra, AsyncCheckpoint(root / "ckpt", every_n_steps=EVERY, keep_last=3), Timeline()],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=root,  # Lightning's own ModelCheckpoint writes there, not into the repository
     )  # fmt: skip
     trainer.fit(Job(str(root / f"losses-{attempt}.jsonl")), ckpt_path="last")
     _event(root, what="end", attempt=attempt, step=trainer.global_step)

@@ -8,7 +8,7 @@ import pytest
 from tests.dist.test_checkpoint_async import _make_module
 
 
-def _trainer(callbacks, max_steps):
+def _trainer(callbacks, max_steps, root):
     import lightning as L
 
     return L.Trainer(
@@ -19,6 +19,7 @@ def _trainer(callbacks, max_steps):
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=root,  # Lightning's own ModelCheckpoint writes there, not into the working directory
     )
 
 
@@ -31,7 +32,7 @@ def test_keep_last_latest_and_wait_reporting(tmp_path, monkeypatch):
     monkeypatch.setenv(TEST_DELAY_ENV, "0.6")  # each background write takes >= 0.6 s; steps take milliseconds
     L.seed_everything(0, verbose=False)
     cb = AsyncCheckpoint(tmp_path / "ck", every_n_steps=2, keep_last=2)
-    _trainer([cb], 8).fit(_make_module()(str(tmp_path / "l.jsonl")))
+    _trainer([cb], 8, tmp_path).fit(_make_module()(str(tmp_path / "l.jsonl")))
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step-00000008"
     assert [s for s, _ in complete_checkpoints(tmp_path / "ck")] == [6, 8]  # older ones pruned after publication
     assert [h["step"] for h in cb.history] == [2.0, 4.0, 6.0, 8.0]
@@ -49,7 +50,7 @@ def test_keep_last_latest_and_wait_reporting(tmp_path, monkeypatch):
 
     monkeypatch.setenv(TEST_DELAY_ENV, "0")
     cb2 = AsyncCheckpoint(tmp_path / "ck", every_n_steps=2, keep_last=2)
-    tr = _trainer([cb2, First()], 10)
+    tr = _trainer([cb2, First()], 10, tmp_path)
     tr.fit(_make_module()(str(tmp_path / "l2.jsonl")), ckpt_path="last")
     assert seen[0] == 8 and tr.global_step == 10
 
@@ -63,7 +64,7 @@ def test_mtbf_interval_from_measured_cost(tmp_path):
     L.seed_everything(0, verbose=False)
     mtbf_h = 1e-4  # 0.36 s: a tiny MTBF keeps the interval small enough to see saves in a short run
     cb = AsyncCheckpoint(tmp_path / "ck", mtbf_hours=mtbf_h)
-    _trainer([cb], 6).fit(_make_module()(str(tmp_path / "l.jsonl")))
+    _trainer([cb], 6, tmp_path).fit(_make_module()(str(tmp_path / "l.jsonl")))
     first = cb.history[0]
     assert first["step"] == 1.0  # mtbf mode saves after the first step, to measure
     # the interval was set from the first save's measured cost (later saves refine it the same way)
