@@ -103,7 +103,7 @@ def training_step(strategy: V17Strategy, args: tuple, kwargs: dict) -> Tensor:
     if strategy._cp_scale is not None:  # cp: the rows' token mean from this rank's (ContextSteps.scale_loss)
         scale = strategy._cp_scale if scale is None else scale * strategy._cp_scale
     with strategy.precision_plugin.train_step_context():
-        loss = pipeline_step(runtime, batch, grad_sync=strategy.zero, loss_scale=scale)
+        loss = pipeline_step(runtime, batch, grad_sync=strategy.zero.pipeline_reducer, loss_scale=scale)
     call._call_callback_hooks(trainer, "on_after_backward")
     call._call_lightning_module_hook(trainer, "on_after_backward")
     # No on_before_backward here (no single moment before the interleaved backward): callbacks that judge the step's

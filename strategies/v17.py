@@ -92,7 +92,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
         dp_replicate: replicated data-parallel groups (HSDP's outer axis; HSDP when ``dp_shard`` > 1 too).
         dp_shard: ranks ZeRO partitions over; "auto" = world size / (pp * dp_replicate * cp * tp).
         tp: tensor-parallel size (innermost mesh axis), or :class:`~lightning_v17.config.TPPolicy` with its options.
-        pp: pipeline stages (outermost mesh axis), or :class:`~lightning_v17.config.PipelinePolicy`; ZeRO 0/1 only.
+        pp: pipeline stages (outermost mesh axis), or :class:`~lightning_v17.config.PipelinePolicy`.
         cp: context-parallel size (each row's sequence split over cp ranks), or :class:`~lightning_v17.config.CPPolicy`.
         ep: expert-parallel size, folded out of ``dp_shard``, or :class:`~lightning_v17.config.EPPolicy`.
         zero: :class:`~lightning_v17.config.ZeroPolicy`; None: the config's section, with ``zero_stage`` if given.

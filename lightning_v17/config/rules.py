@@ -143,22 +143,6 @@ def _needs_axis(option: str) -> Rule:
 #: Every rule, in the order they are checked (the first one violated is raised).
 RULES: tuple[Rule, ...] = (
     Rule(
-        # Narayanan 2021 §3.3 / Megatron: with parameters (ZeRO-3) or gradients (ZeRO-2) sharded, every micro-batch
-        # of every stage issues its own all-gather / reduce-scatter, interleaved with the pipeline's P2P traffic; the
-        # collectives of different stages entangle and the volume grows with the micro-batches. Only ZeRO-1 (one
-        # reduction per step) composes cleanly, as in Megatron and DeepSpeed's PipelineEngine.
-        name="pp_needs_stage_le_1",
-        options=("pp", "zero_stage"),
-        violated=lambda lay: lay.pp > 1 and lay.stage >= 2,
-        message=lambda lay: (
-            f"pp={lay.pp} with zero_stage={lay.stage} is not supported: with pipeline parallelism the "
-            "per-micro-batch all-gathers/reduce-scatters of ZeRO-2/3 entangle across stages, and only ZeRO-1 (one "
-            "reduction per step) composes with the schedule"
-        ),
-        fix="set zero_stage=1 (or 0) with pp>1, or pp=1 to use ZeRO-2/3",
-        example={"pp": 2, "zero_stage": 2},
-    ),
-    Rule(
         name="offload_params_needs_stage_3",
         options=("OffloadPolicy.params", "zero_stage"),
         violated=lambda lay: _tier(lay, "params") != "none" and lay.stage != 3,

@@ -126,6 +126,7 @@ def apply_zero_stage(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     steps_inside_forward: bool = False,
+    pipeline_stages: Any = (),
 ) -> ZeroBackend:
     """Apply ``policy.zero`` (and parameter offload) over the data-parallel axes; materialize what is still on meta.
 
@@ -139,6 +140,8 @@ def apply_zero_stage(
         steps_inside_forward: stage 3: the module's step hook steps optimizers inside itself (Lightning's manual
             optimization), so each parameterized child becomes a unit of its own (``apply_fsdp``'s
             ``child_units``).
+        pipeline_stages: with pp > 1, this rank's stage modules: at stage 3 each is an FSDP2 root of its own
+            (``apply_fsdp``'s ``pipeline_stages``).
     """
     z = policy.zero
     engine = zero_engine.apply_zero(
@@ -155,6 +158,7 @@ def apply_zero_stage(
         overlap_comm=z.overlap_comm,
         prefetch_units=z.prefetch_units,
         child_units=steps_inside_forward,
+        pipeline_stages=pipeline_stages,
     )
     # Only what is still on the meta device (meta_init, empty_init): weights loaded in configure_model are kept.
     fsdp_engine.materialize_meta_module(module, device=device)
@@ -351,7 +355,7 @@ def parallelize(
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model
         module, mesh=mesh, policy=policy, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        steps_inside_forward=steps_inside_forward,
+        steps_inside_forward=steps_inside_forward, pipeline_stages=stage_modules if spec.pp > 1 else (),
     )  # fmt: skip
     backend.expert_sync = ep.grad_sync if ep is not None else None
     if fp8 is not None:

@@ -9,13 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_v17.config import PipelinePolicy, V17ConfigError, ZeroPolicy
+from lightning_v17.config import PipelinePolicy, V17ConfigError
 from lightning_v17.config.schedules import schedule_info
 from lightning_v17.engine.pipeline.runtime import (
     PipelineLayout,
     PipelineLoss,
     balanced_split_points,
-    check_pipeline_composition,
 )
 from lightning_v17.engine.pipeline.runtime import split_model as _split_model
 from lightning_v17.engine.tp.apply import check_tensor_parallel, llama_tp_plan
@@ -121,15 +120,6 @@ def test_split_points_user_and_errors():
         split_model(_model(tie_embeddings=True), pp_rank=0, pp=2, policy=PipelinePolicy())
     with pytest.raises(V17ConfigError, match="zb_h2"):
         split_model(_model(), pp_rank=0, pp=2, policy=PipelinePolicy(schedule="zb_h2", virtual_stages=2))
-
-
-def test_pp_with_zero3_is_refused_with_the_reason():
-    check_pipeline_composition(pp=2, zero=ZeroPolicy(stage=1))
-    check_pipeline_composition(pp=1, zero=ZeroPolicy(stage=3))
-    for stage in (2, 3):
-        with pytest.raises(V17ConfigError, match=r"entangle across stages.*set zero_stage=1") as e:
-            check_pipeline_composition(pp=2, zero=ZeroPolicy(stage=stage))
-        assert f"zero_stage={stage}" in str(e.value) and "ZeRO-1" in str(e.value)
 
 
 def test_tp_must_divide_heads_and_lists_valid_values():

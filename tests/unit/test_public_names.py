@@ -219,7 +219,6 @@ BEFORE: dict[str, list[str]] = {
         "StageModule",
         "balanced_split_points",
         "build_schedule",
-        "check_pipeline_composition",
         "pipeline_eval",
         "pipeline_step",
         "replay_actions",

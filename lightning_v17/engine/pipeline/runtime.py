@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_v17.config import PipelinePolicy, V17ConfigError, ZeroPolicy
+from lightning_v17.config import PipelinePolicy, V17ConfigError
 from lightning_v17.config.schedules import schedule_info
 from lightning_v17.engine.pipeline.split import (
     PipelineLayout,
@@ -67,27 +67,11 @@ __all__ = [
     "StageModule",
     "balanced_split_points",
     "build_schedule",
-    "check_pipeline_composition",
     "pipeline_eval",
     "pipeline_step",
     "replay_actions",
     "split_model",
 ]
-
-
-def check_pipeline_composition(*, pp: int, zero: ZeroPolicy) -> None:
-    """Refuse PP combined with ZeRO-2/3 (the ``pp_needs_stage_le_1`` rule of :mod:`lightning_v17.config.rules`).
-
-    Raises:
-        V17ConfigError: when ``pp > 1`` and ``zero`` shards gradients (ZeRO-2/3).
-    """
-    from lightning_v17.config import TrainingPolicy
-    from lightning_v17.config.rules import RULES, Layout
-
-    rule = next(r for r in RULES if r.name == "pp_needs_stage_le_1")
-    layout = Layout(TrainingPolicy(zero=zero), pp=pp)
-    if rule.violated(layout):
-        raise V17ConfigError(rule.text(layout))
 
 
 # ---------------------------------------------------------------------------------------------------------- batches

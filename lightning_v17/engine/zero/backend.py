@@ -155,6 +155,14 @@ class ZeroBackend:
         if self.expert_sync is not None:
             self.expert_sync.require_grad_sync = value
 
+    @property
+    def pipeline_reducer(self) -> Any:
+        """What a pipeline step switches off for its schedule's micro-batches and finishes once after them
+        (``require_grad_sync`` / :meth:`finish_grad_sync`): this backend at stages 0-2; at stage 3 the experts'
+        reducer under ep (None without), because torch's ``PipelineStage`` drives its FSDP2 stages itself (no sync
+        per micro-batch, one reduce-scatter in ``perform_reduce_grad``; ``fsdp._shard_pipeline_stages``)."""
+        return self if self.engine is not None else self.expert_sync
+
     def finish_grad_sync(self) -> None:
         """Reduce the gradients accumulated while ``require_grad_sync`` was False (stages 0-2; the experts' too)."""
         for e in self._engines():

@@ -89,6 +89,7 @@ def apply_fsdp(
     child_units: bool = False,
     expert_mesh: Any = None,
     expert_divide_factor: float | None = None,
+    pipeline_stages: Sequence[nn.Module] = (),
 ) -> list[nn.Module]:
     """ZeRO-3 with FSDP2: ``fully_shard`` each unit, then one root for everything outside the units.
 
@@ -145,13 +146,17 @@ def apply_fsdp(
             ``experts`` becomes a unit of its own over it (:func:`_shard_experts`). None: the experts stay outside
             FSDP2 (``ignored_params``), reduced by ``engine/ep``.
         expert_divide_factor: what the experts' summed gradients are divided by (the whole data-parallel degree).
+        pipeline_stages: with pp > 1, this rank's pipeline stages (``engine/pipeline``'s ``StageModule``s, which
+            share the pruned model's modules): each is the root of its own units instead of one root for ``module``
+            (:func:`_shard_pipeline_stages`); ``reshard_after_forward=None`` then keeps every unit gathered.
 
     Returns:
         The modules that were sharded (units first, then the child units, then the root).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    rsf = True if reshard_after_forward is None else bool(reshard_after_forward)
+    # under pp the default keeps the units gathered across the step's micro-batches (_shard_pipeline_stages)
+    rsf = not pipeline_stages if reshard_after_forward is None else bool(reshard_after_forward)
     kw = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
@@ -164,6 +169,12 @@ def apply_fsdp(
     if experts:  # sharded over ep already, reduced by engine/ep: outside every FSDP2 group
         kw["ignored_params"] = experts
     units = find_wrap_units(module, wrap_classes)
+    if pipeline_stages:
+        sharded = _shard_pipeline_stages(module, pipeline_stages, units, rsf=rsf, kw=kw, overlap_comm=overlap_comm,
+                                         prefetch_units=prefetch_units)  # fmt: skip
+        if expert_units:
+            install_fsdp_comms(expert_units, expert_mesh.get_group(expert_mesh.ndim - 1))
+        return expert_units + sharded
     # Parameter identities before sharding (fully_shard replaces each module's parameters with DTensor ones).
     in_units = {id(p) for u in units for p in u.parameters()}
     unit_ids = {id(u) for u in units}
@@ -226,6 +237,46 @@ def apply_fsdp(
     if root is not None:
         root.__dict__["_v17_sharded"] = sharded
         root.register_forward_hook(lambda m, args, out: reshard_after_no_grad(m))
+    return sharded
+
+
+def _shard_pipeline_stages(
+    module: nn.Module, stages: Sequence[nn.Module], units: list[nn.Module], *, rsf: bool, kw: dict[str, Any],
+    overlap_comm: bool, prefetch_units: int,
+) -> list[nn.Module]:
+    """ZeRO-3 under pp (torchtitan's ``apply_fsdp`` per model part): every local pipeline stage is an FSDP2 root over
+    its own units and holds the rest of its parameters (the embedding on the first stage, the norm and head on the
+    last); ``module`` gets no root (:func:`fsdp_root` is None), since the schedule, not a step hook, calls the stages.
+
+    torch's ``PipelineStage`` drives an FSDP2 stage itself (``torch/distributed/pipelining/stage.py``): every
+    micro-batch's backward runs with ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``,
+    and after the last one ``perform_reduce_grad`` reduce-scatters the accumulated gradients once and reshards. With
+    ``rsf`` False (the default under pp: torchtitan's ``reshard_after_forward = not pp_enabled``) the units stay
+    gathered from the first micro-batch's forward to that reduce-scatter: one all-gather and one reduce-scatter per
+    unit per step, as at pp = 1, instead of one pair per micro-batch (1F1B interleaves the micro-batches' forwards
+    and backwards, so a unit freed after a forward is gathered again m times). True frees each unit after every
+    forward (less memory, m all-gathers per unit per step).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    sharded: list[nn.Module] = []
+    for stage in stages:
+        inside = {id(m) for m in stage.modules()}
+        mine = [u for u in units if id(u) in inside]
+        for u in mine:
+            fully_shard(u, reshard_after_forward=rsf, **kw)
+        fully_shard(stage, reshard_after_forward=rsf, **kw)
+        group = [*mine, stage]
+        shard_group = kw["mesh"].get_group(kw["mesh"].ndim - 1) if kw["mesh"].ndim > 1 else kw["mesh"].get_group()
+        cpu_overlap = overlap_comm and kw["mesh"].device_type == "cpu" and is_cpu_gloo(shard_group)
+        # the reduce-scatters run in perform_reduce_grad, outside backward: nothing to defer them to
+        install_fsdp_comms(group, shard_group)
+        if cpu_overlap and prefetch_units > 0:
+            set_cpu_prefetch(mine, stage, depth=prefetch_units)
+        stage.__dict__["_v17_sharded"] = group
+        stage.register_forward_hook(lambda m, args, out: reshard_after_no_grad(m))
+        sharded.extend(group)
+    module.__dict__["_v17_fsdp_root"] = None
     return sharded
 
 

@@ -485,13 +485,14 @@ def apply_zero(
     overlap_comm: bool = True,
     prefetch_units: int = 1,
     child_units: bool = False,
+    pipeline_stages: Sequence[nn.Module] = (),
 ) -> ZeroEngine | None:
     """Apply ZeRO ``stage`` to ``module`` over the data-parallel axes of ``mesh`` (a DeviceMesh with axes
     "dp_replicate", "dp_shard" and the flattened "dp"). Returns the :class:`ZeroEngine` for stages 0-2, None for 3.
 
     ``param_dtype`` (stages 0-2) is ignored: mixed precision there is autocast (Lightning's precision plugin) over
     fp32 parameters, which are then the master weights themselves. ``overlap_comm`` (every stage) and
-    ``prefetch_units`` and ``child_units`` (stage 3): see :class:`ZeroEngine` and
+    ``prefetch_units``, ``child_units`` and ``pipeline_stages`` (stage 3): see :class:`ZeroEngine` and
     :func:`~lightning_v17.engine.zero.fsdp.apply_fsdp`.
     """
     from lightning_v17.mesh import expert_shard_mesh, submesh
@@ -511,6 +512,7 @@ def apply_zero(
             reduce_dtype=reduce_dtype,
             offload_params=offload_params,
             overlap_comm=overlap_comm,
+            pipeline_stages=pipeline_stages,
             prefetch_units=prefetch_units,
             child_units=child_units,
             expert_mesh=expert_shard_mesh(mesh),
