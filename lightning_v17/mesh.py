@@ -24,15 +24,16 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str) -> DeviceMesh:
 
     Size-1 axes are kept so that every axis name can always be looked up (``mesh["tp"]`` works with tp=1).
     The flattened ``"dp"`` axis (dp_replicate × dp_shard) is created too, for data loading and loss reduction,
-    and ``"dp_shard_cp"`` for FSDP when cp > 1 (torchtitan's convention); with ep > 1 the experts' ``"ep"`` and
-    ``"edp"`` axes (:func:`_expert_meshes`).
+    and ``"dp_shard_cp"`` for ZeRO when cp > 1 (torchtitan's convention), with ``"dp_cp"`` (dp_replicate × dp_shard
+    × cp, the ranks whose gradients are averaged) and, under HSDP, the 2-D ``"dp_replicate_dp_shard_cp"``
+    (:func:`zero_mesh`); with ep > 1 the experts' ``"ep"`` and ``"edp"`` axes (:func:`_expert_meshes`).
 
     Args:
         spec: the validated mesh sizes; their product must equal the initialized world size.
         device_type: "cpu" or "cuda".
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if not dist.is_initialized():
         raise RuntimeError("build_device_mesh needs an initialized process group; call it from setup_environment")
@@ -47,10 +48,20 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str) -> DeviceMesh:
     _ROOTS.add(mesh)
     # Keep the flattened meshes ourselves: torch deprecates slicing a flattened dim from the root mesh
     # ("Users need to bookkeep the flattened mesh directly"); submesh() reads them from here.
-    mesh._v17_flat = {  # type: ignore[attr-defined]
+    flat = {
         "dp": mesh[(Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)]._flatten("dp"),
         "dp_shard_cp": mesh[(Axis.DP_SHARD.value, Axis.CP.value)]._flatten("dp_shard_cp"),
     }
+    mesh._v17_flat = flat  # type: ignore[attr-defined]
+    if spec.cp > 1 and spec.dp_replicate > 1:
+        # HSDP beside cp (torchtitan's dp_replicate x dp_shard_cp): the gradients are averaged over every dp x cp
+        # rank ("dp_cp"), and ZeRO shards over dp_shard_cp and replicates over dp_replicate. The 2-D mesh is the
+        # dp_replicate axis next to the flattened one, with the groups both already have.
+        axes = (Axis.DP_REPLICATE.value, Axis.DP_SHARD.value, Axis.CP.value)
+        flat["dp_cp"] = mesh[axes]._flatten("dp_cp")
+        flat["dp_replicate_dp_shard_cp"] = DeviceMesh._concatenate([mesh[Axis.DP_REPLICATE.value], flat["dp_shard_cp"]])
+    elif spec.cp > 1:
+        flat["dp_cp"] = flat["dp_shard_cp"]  # the same ranks: no second group
     if spec.ep > 1:
         mesh._v17_flat.update(_expert_meshes(spec, device_type))  # type: ignore[attr-defined]
     return mesh
@@ -77,6 +88,17 @@ def expert_shard_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     if sparse is None or sparse["efsdp"].size() == 1:
         return None
     return sparse["dp_replicate", "efsdp"] if sparse["dp_replicate"].size() > 1 else sparse["efsdp"]
+
+
+def zero_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ZeRO works over: ``dp_shard`` (``dp_shard_cp`` with cp > 1, torchtitan's: the cp ranks hold the
+    same parameters and their gradients are averaged with the data-parallel ones), or under HSDP the 2-D
+    (``dp_replicate``, that axis): FSDP2 shards over its last dim and replicates over its first, and stages 1-2
+    partition over the last."""
+    cp = mesh["cp"].size() > 1
+    if mesh["dp_replicate"].size() == 1:
+        return submesh(mesh, "dp_shard_cp") if cp else mesh["dp_shard"]
+    return submesh(mesh, "dp_replicate_dp_shard_cp") if cp else mesh["dp_replicate", "dp_shard"]
 
 
 def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -132,9 +154,9 @@ class MeshRuntime:
 
     @property
     def replica_axis(self) -> str:
-        """The ranks that hold whole replicas at stages 0-2: ``dp``, or ``dp_shard_cp`` with cp > 1 (cp needs
-        dp_replicate = 1)."""
-        return "dp_shard_cp" if self.spec.cp > 1 else "dp"
+        """The ranks that hold whole replicas at stages 0-2: ``dp``, or ``dp_cp`` (dp_replicate x dp_shard x cp)
+        with cp > 1."""
+        return "dp_cp" if self.spec.cp > 1 else "dp"
 
 
 class UnsetMesh:

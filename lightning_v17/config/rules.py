@@ -214,17 +214,9 @@ RULES: tuple[Rule, ...] = (
         why="the MoE layers route whole sequences (per-sequence capacity and balance loss), and a tp rank holds a "
         "slice of each",
     ),
-    *(
-        _axes_not_together("cp", axis, what)
-        for axis, what in (("ep", "the cp ranks would need the MoE dispatch over their shared batch"),
-                           ("dp_replicate", "ZeRO over dp_shard x cp is one flat group; HSDP beside it is planned"))
-    ),
-    _without_sequence_parallel(
-        "cp",
-        why="sequence parallelism would shard the cp rank's S/cp tokens over tp again, and the cp attention gathers "
-        "the rows over cp only",
-        fix_note=" (cp x tp splits the heads over tp and the sequence over cp)",
-    ),
+    # cp beside HSDP (tests/dist/test_hsdp_cp.py) and beside tp with sequence parallelism (tests/dist/test_cp_tp.py)
+    # compose
+    _axes_not_together("cp", "ep", "the cp ranks would need the MoE dispatch over their shared batch"),
     Rule(
         name="activation_offload_without_pp",
         options=("OffloadPolicy.activations", "pp"),

@@ -495,13 +495,11 @@ def apply_zero(
     ``prefetch_units``, ``child_units`` and ``pipeline_stages`` (stage 3): see :class:`ZeroEngine` and
     :func:`~lightning_v17.engine.zero.fsdp.apply_fsdp`.
     """
-    from lightning_v17.mesh import expert_shard_mesh, submesh
+    from lightning_v17.mesh import expert_shard_mesh, submesh, zero_mesh
 
     replicate = mesh["dp_replicate"].size() > 1
-    shard_mesh = mesh["dp_replicate", "dp_shard"] if replicate else mesh["dp_shard"]
-    cp = mesh["cp"].size() > 1  # ZeRO over dp_shard x cp (torchtitan's dp_shard_cp); no HSDP beside it (rules)
-    if cp:
-        shard_mesh = submesh(mesh, "dp_shard_cp")
+    shard_mesh = zero_mesh(mesh)  # dp_shard, or dp_shard x cp (torchtitan's dp_shard_cp); 2-D under HSDP
+    cp = mesh["cp"].size() > 1
     if stage == 3:
         apply_fsdp(
             module,
@@ -522,7 +520,7 @@ def apply_zero(
     engine = ZeroEngine(
         module,
         stage=stage,
-        shard_group=shard_mesh.get_group() if cp else mesh["dp_shard"].get_group(),
+        shard_group=shard_mesh.get_group(shard_mesh.ndim - 1),
         replicate_group=mesh["dp_replicate"].get_group() if replicate else None,
         shard_mesh=shard_mesh,
         bucket_mb=bucket_mb,
@@ -530,7 +528,7 @@ def apply_zero(
         partition=optimizer_partition,
         overlap=overlap_comm,
     )
-    engine.set_dp_group(submesh(mesh, "dp_shard_cp" if cp else "dp").get_group())
+    engine.set_dp_group(submesh(mesh, "dp_cp" if cp else "dp").get_group())
     experts = expert_shard_mesh(mesh) if stage > 0 else None
     if experts is not None:  # the experts' rows over efsdp, the ranks that hold the same ones (see ZeroEngine)
         engine.expert_engine = ZeroEngine(
