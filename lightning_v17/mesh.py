@@ -70,24 +70,38 @@ def build_device_mesh(spec: MeshSpec, *, device_type: str) -> DeviceMesh:
 def _expert_meshes(spec: MeshSpec, device_type: str) -> dict[str, DeviceMesh]:
     """The sparse mesh of expert parallelism: ``dp_shard`` unflattened into (``efsdp``, ``ep``), ep innermost (the
     same rank order as the dense mesh, so an ep group is ``ep`` consecutive dp_shard ranks); its ``ep`` axis and the
-    flattened expert-data-parallel axis ``edp`` (``dp_replicate`` x ``efsdp``: the ranks that hold the same
-    experts)."""
+    flattened expert-data-parallel axis ``edp``: the ranks that hold the same experts, ``dp_replicate x efsdp``, and
+    with cp > 1 ``x cp`` (Megatron-core folds the experts over dp x cp: the cp ranks of one row hold the same experts
+    and route other tokens, so the experts' gradients are summed over them too; each cp rank dispatches over the ep
+    group of its own cp index). With cp > 1 and efsdp > 1 also ``efsdp_cp``, the ranks ZeRO shards the experts over
+    (:func:`expert_shard_mesh`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (spec.pp, spec.dp_replicate, spec.efsdp, spec.ep, spec.cp, spec.tp)
     names = ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
     sparse = init_device_mesh(device_type, shape, mesh_dim_names=names)
     _ROOTS.add(sparse)
-    return {"ep": sparse["ep"], "edp": sparse[("dp_replicate", "efsdp")]._flatten("edp"), "sparse": sparse}
+    edp_axes = ("dp_replicate", "efsdp", "cp") if spec.cp > 1 else ("dp_replicate", "efsdp")
+    out = {"ep": sparse["ep"], "edp": sparse[edp_axes]._flatten("edp"), "sparse": sparse}
+    if spec.cp > 1 and spec.efsdp > 1:
+        out["efsdp_cp"] = sparse[("efsdp", "cp")]._flatten("efsdp_cp")
+    return out
 
 
 def expert_shard_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The mesh ZeRO-3 shards the experts over: ``efsdp`` of the sparse mesh (``(dp_replicate, efsdp)`` for HSDP),
-    or None when no rank shares an ep rank's experts within ``dp_shard`` (ep = 1, or efsdp = 1: ep = dp_shard)."""
-    sparse = (getattr(mesh, "_v17_flat", None) or {}).get("sparse")
+    """The mesh ZeRO shards the experts over: ``efsdp`` of the sparse mesh (``(dp_replicate, efsdp)`` for HSDP; with
+    cp > 1 the flattened ``efsdp x cp``), or None when no rank shares an ep rank's experts within ``dp_shard`` (ep =
+    1, or efsdp = 1: ep = dp_shard; the experts' gradients are then reduced over ``edp`` by ``engine/ep``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    flat = getattr(mesh, "_v17_flat", None) or {}
+    sparse = flat.get("sparse")
     if sparse is None or sparse["efsdp"].size() == 1:
         return None
-    return sparse["dp_replicate", "efsdp"] if sparse["dp_replicate"].size() > 1 else sparse["efsdp"]
+    if "efsdp_cp" not in flat:
+        return sparse["dp_replicate", "efsdp"] if sparse["dp_replicate"].size() > 1 else sparse["efsdp"]
+    shard = flat["efsdp_cp"]
+    return DeviceMesh._concatenate([sparse["dp_replicate"], shard]) if sparse["dp_replicate"].size() > 1 else shard
 
 
 def zero_mesh(mesh: DeviceMesh) -> DeviceMesh:

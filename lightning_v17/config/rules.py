@@ -206,28 +206,10 @@ RULES: tuple[Rule, ...] = (
         fix="use loss_parallel with pp=1, or drop it",
         example={"pp": 2, "zero_stage": 1, "tp": {"size": 2, "loss_parallel": True}},
     ),
-    # ep x tp (tests/dist/test_ep_tp.py) runs each tp rank's MoE on the whole replicated sequence; under sequence
-    # parallelism a tp rank holds a slice of each sequence, and the per-sequence capacity and balance loss, the
-    # router's and the experts' gradients (partial over tp) would all need the sequence gathered first
-    _without_sequence_parallel(
-        "ep",
-        why="the MoE layers route whole sequences (per-sequence capacity and balance loss), and a tp rank holds a "
-        "slice of each",
-    ),
+    # ep x tp with sequence parallelism (tests/dist/test_ep_tp_sp.py) and ep x cp (tests/dist/test_ep_cp.py) compose:
+    # the MoE layers route their slice of each sequence with the whole sequences' statistics (engine/ep/tokens.py)
     # cp beside HSDP (tests/dist/test_hsdp_cp.py) and beside tp with sequence parallelism (tests/dist/test_cp_tp.py)
     # compose
-    _axes_not_together("cp", "ep", "the cp ranks would need the MoE dispatch over their shared batch"),
-    Rule(
-        name="activation_offload_without_pp",
-        options=("OffloadPolicy.activations", "pp"),
-        violated=lambda lay: lay.pp > 1 and _tier(lay, "activations") != "none",
-        message=lambda lay: (
-            f"OffloadPolicy(activations={_tier(lay, 'activations')!r}) with pp={lay.pp} is not implemented yet (the "
-            "schedule interleaves the micro-batches' forwards and backwards; the offload streams one block order)"
-        ),
-        fix="use OffloadPolicy(activations=...) with pp=1, or activations='none'",
-        example={"pp": 2, "zero_stage": 1, "offload": {"activations": "nvme", "nvme_path": "."}},
-    ),
     # the optimizer tier steps every parameter the optimizer holds, the experts' (ep DTensors, or the experts' ZeRO
     # engine's partitions) included (tests/dist/test_ep_engine.py); the parameter tier moves FSDP2 units' shards,
     # and at efsdp = 1 the experts are outside FSDP2 (ignored_params), so they would silently stay resident

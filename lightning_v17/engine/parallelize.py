@@ -193,21 +193,30 @@ def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: Train
 
 
 def _activation_offload(
-    units: list[nn.Module], policy: TrainingPolicy, device: torch.device | str, current: Any = None
+    units: list[nn.Module],
+    policy: TrainingPolicy,
+    device: torch.device | str,
+    current: Any = None,
+    pipeline: Any = None,
 ) -> Any:
     """``OffloadPolicy(activations=)``: the blocks' saved tensors to the nvme or cpu tier, attached after recompute
     and ZeRO (``engine/offload/activations.py``), for blocks computing on ``device`` (with ``offload_params`` their
-    shards are on the host); ``current`` is kept while it is open (a later fit re-attaches)."""
+    shards are on the host); ``current`` is kept while it is open (a later fit re-attaches). Under pp the pipeline
+    runtime runs each stage forward under the offload's ``micro_batch(i)`` (a pass per micro-batch)."""
     off = policy.offload
     if off.activations == Tier.NONE or (current is not None and not current.closed):
         return current
+    passes_in_flight = 1 if pipeline is None else pipeline.policy.microbatches
     from lightning_v17.engine.offload.activations import ActivationOffload
 
-    return ActivationOffload(
+    offload = ActivationOffload(
         units, tier=off.activations, nvme_path=off.nvme_path, min_bytes=int(off.activation_min_kb * 1024),
         resident_blocks=off.resident_blocks, rank=dist.get_rank() if dist.is_initialized() else 0,
-        option="OffloadPolicy(activations=...)", device=device,
+        option="OffloadPolicy(activations=...)", device=device, passes_in_flight=passes_in_flight,
     )  # fmt: skip
+    if pipeline is not None:
+        pipeline.activations = offload
+    return offload
 
 
 def _tp_sharded(t: torch.Tensor) -> bool:
@@ -238,7 +247,7 @@ def sync_replicas(module: nn.Module, *, mesh: MeshRuntime, backend: ZeroBackend)
     tensors = [t for t in tensors if not is_expert_param(t)]
     dp_axis = "dp_replicate" if backend.shards_params else mesh.replica_axis
     axes = [(dp_axis, tensors), ("tp", [t for t in tensors if not _tp_sharded(t)])]
-    if experts and mesh.spec.edp > 1:
+    if experts and mesh["edp"].size() > 1:  # dp_replicate x efsdp (x cp)
         axes.append(("edp", experts))
     if experts:  # ep x tp: every tp rank holds (and runs) the same experts
         axes.append(("tp", experts))
@@ -300,7 +309,7 @@ def parallelize(
                 done.ep.grad_sync.attach()
                 done.zero.expert_sync = done.ep.grad_sync
         _attach_param_offload(module, done.zero, policy)  # again after a teardown brought the shards back
-        done.activations = _activation_offload(done.units, policy, device, done.activations)
+        done.activations = _activation_offload(done.units, policy, device, done.activations, done.pipeline)
         return done
     spec = mesh.spec
     check_composition(policy, pp=spec.pp, tp=spec.tp, ep=spec.ep, cp=spec.cp, dp_replicate=spec.dp_replicate)
@@ -347,7 +356,8 @@ def parallelize(
     ep = None
     if spec.ep > 1:  # 3b. the MoE layers' experts over ep, all-to-all dispatch (engine/ep/)
         ep = apply_expert_parallel(
-            module, ep_mesh=mesh["ep"], edp_group=mesh.group("edp") if spec.edp > 1 else None, dp=spec.dp,
+            module, ep_mesh=mesh["ep"], edp_group=mesh.group("edp") if mesh["edp"].size() > 1 else None,
+            dp=spec.dp * spec.cp,  # the experts' gradients average over dp x cp, as the dense ones do
             dispatcher=policy.expert.dispatcher.value,
             # ZeRO over efsdp (stages 1-3) reduces the experts' gradients itself
             reduce_grads=not (policy.zero.shards_optimizer and expert_shard_mesh(mesh.device_mesh) is not None),
@@ -376,7 +386,7 @@ def parallelize(
         )
     out = Parallelized(
         module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute, fp8_layers=fp8_layers,
-        fp8=fp8, ep=ep, activations=_activation_offload(units, policy, device),  # 8. the blocks' saved tensors to nvme
+        fp8=fp8, ep=ep, activations=_activation_offload(units, policy, device, pipeline=pipeline),  # 8. saved tensors
     )
     module._v17_parallel = out  # type: ignore[assignment]
     return out

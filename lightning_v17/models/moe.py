@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_v17.engine._dtensor import local
+from lightning_v17.engine.ep.tokens import TokenSplit
 
 if TYPE_CHECKING:
     from lightning_v17.models.config import ModelConfig
@@ -67,13 +68,16 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, weight_fn: Callable | None = None) -> torch.Tensor:
         """Rows ``x`` [N, H] grouped by local expert (``counts`` [E_local] int64 rows each, summing to N) -> [N, H].
 
         The local experts are the weights' local dim 0 (the engine may shard them over ``ep``). The grouped GEMM
         needs 16-byte-aligned strides (H and I multiples of 4 in fp32, of 8 in bf16); other sizes, and an empty
-        ``x``, take the per-expert loop, which computes the same."""
+        ``x``, take the per-expert loop, which computes the same. ``weight_fn`` wraps each weight as it is used
+        (``TokenSplit.weight``: its gradient summed over the sequence-parallel ranks)."""
         gate_up, down = local(self.gate_up_proj), local(self.down_proj)
+        if weight_fn is not None:
+            gate_up, down = weight_fn(gate_up), weight_fn(down)
         aligned = all(n * x.element_size() % 16 == 0 for n in (self.hidden, self.intermediate))
         if not (self.grouped and aligned) or x.shape[0] == 0:
             return self._loop(x, counts, gate_up, down)
@@ -105,6 +109,17 @@ class LocalDispatch:
         return y
 
 
+class _WeightsThrough:
+    """The routed experts as a dispatcher calls them (``experts(rows, counts)``, ``experts.num_experts``), each of
+    their weights used through ``weight_fn``."""
+
+    def __init__(self, experts: GroupedExperts, weight_fn: Callable) -> None:
+        self.experts, self.weight_fn, self.num_experts = experts, weight_fn, experts.num_experts
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, counts, weight_fn=self.weight_fn)
+
+
 class _SharedExperts(nn.Module):
     def __init__(self, hidden: int, width: int) -> None:
         super().__init__()
@@ -112,8 +127,11 @@ class _SharedExperts(nn.Module):
         self.w2 = nn.Linear(width, hidden, bias=False)
         self.w3 = nn.Linear(hidden, width, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: torch.Tensor, weight_fn: Callable | None = None) -> torch.Tensor:
+        if weight_fn is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        w1, w2, w3 = (weight_fn(m.weight) for m in (self.w1, self.w2, self.w3))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 class MoE(nn.Module):
@@ -147,6 +165,10 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor = torch.zeros(c.num_experts)
         self.last_dropped: torch.Tensor = torch.zeros((), dtype=torch.long)
 
+    #: routes a slice of each sequence (sequence or context parallelism) with the whole sequences' statistics
+    #: (:meth:`_local_tokens`): a tensor-parallel plan with sequence parallelism leaves its input sequence-sharded
+    v17_split_tokens = True
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoE:
         """``Module._apply`` (``.to``, ``.cuda``, ``to_empty``, ...) keeping the balance buffers fp32: a bf16-true
         model would otherwise count its load in bf16, exact only to 256 tokens per expert."""
@@ -176,27 +198,39 @@ class MoE(nn.Module):
         return (rank < capacity).view(b * s, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._replicated_local(x)
+        x, split = self._local_tokens(x)
+        self._split = split  # this forward's token split (None: the whole sequences are here)
         b, s, h = x.shape
         k, e = self.experts_per_token, self.num_experts
         flat = x.reshape(b * s, h)
-        logits = F.linear(flat.float(), self.router.weight.float())  # the router in fp32
+        router = self.router.weight if split is None else split.weight(self.router.weight)
+        logits = F.linear(flat.float(), router.float())  # the router in fp32
         scores = logits.softmax(-1) if self.router_score == "softmax" else logits.sigmoid()
         idx = torch.topk(scores.detach() + self.expert_bias, k, dim=-1).indices  # [T, k]
         weights = scores.gather(1, idx)
         if self.router_norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         group = self._groups(idx, b, s)
-        keep = self._keep(group, b, s) if self.capacity_factor is not None else torch.ones_like(idx, dtype=torch.bool)
+        if self.capacity_factor is None:
+            keep = torch.ones_like(idx, dtype=torch.bool)
+        elif split is None:
+            keep = self._keep(group, b, s)
+        else:  # the arrival order is the whole sequence's: its expert ids gathered (S * k integers a sequence)
+            whole = split.gather_seq(idx.view(b, s, k))
+            keep = split.local(self._keep(self._groups(whole, b, whole.shape[1]), b, whole.shape[1]).view(b, -1, k))
+            keep = keep.reshape(b * s, k)
         token_of = torch.arange(b * s, device=x.device).repeat_interleave(k)[keep.reshape(-1)]
         expert_of = idx.reshape(-1)[keep.reshape(-1)]
         weight_of = weights.reshape(-1)[keep.reshape(-1)]
         dispatch = self.dispatcher if self.dispatcher is not None else LocalDispatch()
-        y = dispatch(flat[token_of], expert_of, self.experts)
+        experts = self.experts if split is None or not split.sums_weight_grads else _WeightsThrough(self.experts,
+                                                                                                  split.weight)
+        y = dispatch(flat[token_of], expert_of, experts)
         out = torch.zeros_like(flat).index_add(0, token_of, y * weight_of[:, None].to(y.dtype))
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            out = out + self.shared_experts(flat, None if split is None else split.weight)
         load = torch.bincount(expert_of, minlength=e).float()
+        load = load if split is None else split.all_reduce(load)  # the whole sequences' load on every rank
         self.last_load, self.last_dropped = load, (~keep).sum()
         if self.training and torch._C._current_graph_task_id() == -1:  # not inside backward (a recompute)
             self.expert_load += load
@@ -204,28 +238,48 @@ class MoE(nn.Module):
         return out.view(b, s, h)
 
     @staticmethod
-    def _replicated_local(x: torch.Tensor) -> torch.Tensor:
-        """Under tensor parallelism the block hands its MLP a ``Replicate()`` DTensor on ``tp`` (the column-parallel
-        projections' input): the MoE routes and runs it as the plain tensor it is on every tp rank (the router and the
-        experts are not tp-sharded). ``to_local``'s backward hands the gradient back as ``Replicate()``: each tp rank
-        computes the same full gradient, nothing is summed over tp. A sequence-sharded input (sequence parallelism)
-        is refused: each tp rank would route a different slice of every sequence."""
-        from torch.distributed.tensor import DTensor
+    def _local_tokens(x: torch.Tensor) -> tuple[torch.Tensor, TokenSplit | None]:
+        """The tokens this rank routes, and how the sequences are split over ranks (``engine/ep/tokens.py``).
 
-        if not isinstance(x, DTensor):
-            return x
-        if not all(p.is_replicate() for p in x.placements):
-            raise ValueError(
-                f"the MoE layer got a {x.placements} DTensor on {x.device_mesh.mesh_dim_names}; it routes whole "
-                "sequences: leave it replicated over tp (sequence_parallel=False with ep)"
-            )
-        return x.to_local()
+        * A ``Replicate()`` DTensor on ``tp`` (tensor parallelism without SP: the column-parallel projections'
+          input): the whole sequences, run as the plain tensor they are on every tp rank (the router and the experts
+          are not tp-sharded); ``to_local``'s backward hands the gradient back as ``Replicate()``, each tp rank
+          computes the same full gradient and nothing is summed over tp.
+        * A ``Shard(1)`` DTensor on ``tp`` (sequence parallelism: the plan leaves layers with
+          ``v17_split_tokens`` sequence-sharded): this tp rank's ``S / tp`` tokens only; the weights' gradients
+          are summed over tp and the per-sequence statistics gathered (:meth:`TokenSplit.sequence_parallel`).
+        * Under cp (a current ``CPContext``): this cp rank's ``S / cp`` tokens (:meth:`TokenSplit.context_parallel`);
+          with SP beside it, the tp rank's contiguous part of those.
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        from lightning_v17.engine.cp import current_cp_context
+
+        ctx = current_cp_context()
+        split = None if ctx is None else TokenSplit.context_parallel(ctx.group, ctx.layout.order(x.device))
+        if isinstance(x, DTensor):
+            if tuple(x.placements) == (Shard(1),):  # under cp too: a contiguous part of the cp rank's tokens
+                split = TokenSplit.sequence_parallel(x.device_mesh.get_group(), outer=split)
+            elif not all(p.is_replicate() for p in x.placements):
+                raise ValueError(
+                    f"the MoE layer got a {x.placements} DTensor on {x.device_mesh.mesh_dim_names}; it takes whole "
+                    "sequences (Replicate) or slices of them (Shard(1), sequence parallelism)"
+                )
+            x = x.to_local()
+        return x, split
 
     def _aux(self, logits: torch.Tensor, scores: torch.Tensor, group: torch.Tensor, b: int, s: int) -> torch.Tensor:
         """``aux_loss_coef * mean_seq sum_e f_e P_e`` (DeepSeek-V3 eqs. 17-20) plus ``z_loss_coef * mean_t lse^2``
         (ST-MoE eq. 5): ``f_e = E / (k S) *`` the sequence's assignments to e before capacity, ``P_e`` the mean of
-        its tokens' normalised scores."""
+        its tokens' normalised scores.
+
+        With the sequences split over ranks (``self._split``, ``s = S / ranks`` here) the counts are summed over the
+        ranks (``E`` integers a sequence), each rank's share sums its own tokens' scores (and z-terms) over the whole
+        ``S``, and :meth:`TokenSplit.combine` makes the whole value with the gradient of the share."""
         k, e = self.experts_per_token, self.num_experts
+        split = getattr(self, "_split", None)
+        if split is not None:
+            return self._aux_split(logits, scores, group, b, s, split)
         aux = logits.new_zeros(())
         if self.aux_loss_coef:
             counts = torch.bincount(group, minlength=b * e).view(b, e).float()  # assignments before capacity
@@ -235,6 +289,22 @@ class MoE(nn.Module):
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
         return aux
+
+    def _aux_split(self, logits: torch.Tensor, scores: torch.Tensor, group: torch.Tensor, b: int, s: int,
+                   split: TokenSplit) -> torch.Tensor:  # fmt: skip
+        k, e = self.experts_per_token, self.num_experts
+        whole = s * split.size  # S
+        share = logits.new_zeros(())
+        if self.aux_loss_coef:
+            counts = split.all_reduce(torch.bincount(group, minlength=b * e).view(b, e).float())  # the sequences'
+            f = counts * (e / (k * whole))
+            p = (scores / scores.sum(-1, keepdim=True)).view(b, s, e).sum(1) / whole  # this rank's part of P
+            share = share + self.aux_loss_coef * (f * p).sum(-1).mean()
+        if self.z_loss_coef:
+            share = share + self.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).sum() / (b * whole)
+        if not (self.aux_loss_coef or self.z_loss_coef):
+            return share
+        return split.combine(share)
 
     @torch.no_grad()
     def update_expert_bias(self, total_load: torch.Tensor) -> None:

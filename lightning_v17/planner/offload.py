@@ -169,8 +169,7 @@ class ActivationOffload:
 
 
 def check_activation_offload_plan(tier: Tier, *, pp: int, has_shape: bool) -> None:
-    """Refuse what the planner cannot count, or V17Strategy would not build (the rules table's
-    ``activation_offload_without_pp``), naming the option and the fix."""
+    """Refuse what the planner cannot count, naming the option and the fix."""
     from lightning_v17.config import V17ConfigError
 
     if not has_shape:
@@ -178,9 +177,10 @@ def check_activation_offload_plan(tier: Tier, *, pp: int, has_shape: bool) -> No
                              "or the shape flags, or drop --offload-activations")
     tier = Tier.parse(tier, "--offload-activations")
     if pp > 1:
-        raise V17ConfigError(f"--offload-activations {tier.value} (V17Strategy's OffloadPolicy(activations="
-                             f"{tier.value!r})) with pp={pp} is not built (the schedule interleaves micro-batches; the "
-                             "offload streams one block order); use --pp 1 or --offload-activations none")
+        raise V17ConfigError(f"--offload-activations {tier.value} with pp={pp}: the planner's offload formula counts "
+                             "one pass over all the blocks, not each stage's blocks for every micro-batch in flight "
+                             f"(V17Strategy trains OffloadPolicy(activations={tier.value!r}) with pp > 1); plan with "
+                             "--pp 1 or --offload-activations none")
 
 
 def activation_offload_bytes(bytes_per_block: int, *, layers: int, resident_blocks: int) -> tuple[int, int]:

@@ -69,10 +69,11 @@ def _loader(world: int, first_step: int = 0):
 
 
 def _fit(world: int, strategy: dict | None, opt: str, *, max_steps: int = STEPS, first_step: int = 0,
-         save: str | None = None, resume: str | None = None) -> dict:  # fmt: skip
-    """One Trainer run; returns each step's loss (the mean over the dp ranks), the whole model's pre-clip gradient
-    norm, the norm the strategy's clipping computed, every parameter of this rank (gathered whole), its layout and the
-    all-gathers per step."""
+         save: str | None = None, resume: str | None = None, layers: int = 2) -> dict:  # fmt: skip
+    """One Trainer run of the tiny LlamaLM with ``layers`` blocks; returns each step's loss (the mean over the dp
+    ranks), the whole model's pre-clip gradient norm, the norm the strategy's clipping computed, every parameter of
+    this rank (gathered whole), its layout, the all-gathers per step and the activation offload's counters after
+    each step."""
     import lightning as L
     import lightning_v17.strategies._precision as precision
     import torch
@@ -84,7 +85,7 @@ def _fit(world: int, strategy: dict | None, opt: str, *, max_steps: int = STEPS,
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
-    losses, norms, clip_norms, gathers = [], [], [], []
+    losses, norms, clip_norms, gathers, offload = [], [], [], [], []
 
     class LM(LlamaLM):
         def configure_optimizers(self):
@@ -102,6 +103,9 @@ def _fit(world: int, strategy: dict | None, opt: str, *, max_steps: int = STEPS,
                 dist.all_reduce(loss)
                 loss /= world
             losses.append(float(loss))
+            off = getattr(getattr(trainer.strategy, "parallel", None), "activations", None)
+            if off is not None:
+                offload.append(dict(off.stats))
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # before Lightning clips
             if world == 1:
@@ -122,7 +126,7 @@ def _fit(world: int, strategy: dict | None, opt: str, *, max_steps: int = STEPS,
     precision.clip_grad_norm_ = clip_and_record
     count = _count_all_gathers(gathers) if world > 1 and strategy["zero_stage"] == 3 else None
     try:
-        module = LM(model="tiny", model_overrides={"layers": 2}, warmup_steps=0, max_steps=STEPS)
+        module = LM(model="tiny", model_overrides={"layers": layers}, warmup_steps=0, max_steps=STEPS)
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy="auto" if world == 1 else V17Strategy(**strategy), max_steps=max_steps,
             gradient_clip_val=CLIP if opt == "adamw_clip" else None, logger=False, enable_checkpointing=False,
@@ -138,7 +142,7 @@ def _fit(world: int, strategy: dict | None, opt: str, *, max_steps: int = STEPS,
             count()
     params = dict(module.named_parameters())
     return {
-        "losses": losses, "norms": norms, "clip_norms": clip_norms, "gathers": gathers,
+        "losses": losses, "norms": norms, "clip_norms": clip_norms, "gathers": gathers, "offload": offload,
         "weights": {n: full(p) for n, p in params.items()},
         "local_numel": {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in params.items()},
         "grads_on_params": [n for n, p in params.items() if p.grad is not None],

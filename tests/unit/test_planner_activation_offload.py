@@ -91,8 +91,8 @@ def test_the_step_and_the_warnings_follow_the_hiding() -> None:
     assert any("activation offload to nvme" in w and "resident_blocks" in w for w in slow.warnings)
 
 
-def test_what_the_strategy_refuses_the_planner_refuses() -> None:
-    with pytest.raises(V17ConfigError, match="pp=2 is not built"):
+def test_what_the_planner_cannot_count_is_refused() -> None:
+    with pytest.raises(V17ConfigError, match="pp=2: the planner's offload formula counts one pass"):
         _plan("nvme", pp=2)
     with pytest.raises(V17ConfigError, match="resident_blocks"):
         TrainSpec(offload_activations=Tier.NVME, resident_blocks=-1)

@@ -19,13 +19,16 @@ whole data-parallel degree ``dp = dp_replicate x dp_shard``, once, on the micro-
 over every rank's loss, what one process computes on the concatenated batch, and what the dense part's reduction
 gives too (the factor a second division or a missing one would be off by is what pytorch#160285 reports).
 
-Beside tensor parallelism (``ep x tp``) the ep groups are the same per tp rank (one group per tp index, ranks that
-share the tp index and differ in dp_shard), the experts are replicated over tp (not tp-sharded: ETP = 1), and each
-tp rank routes and dispatches the whole, replicated sequence: the tp ranks of one dp rank compute the same expert
-outputs and the same expert gradients, so nothing is summed over tp (that would double them) and the reduction stays
-over ``edp``. Megatron-core instead splits the tokens over tp before the dispatch, which saves the repeated expert
-compute but needs each expert's gradient summed over tp (an all-reduce of the experts' size per step) and the outputs
-all-gathered over tp; not done here. Inside pipeline stages (``ep x pp``) each stage's ep group dispatches its own
+Beside tensor parallelism (``ep x tp``) the ep groups are the same per tp index (one group per tp index, ranks that
+share the tp index and differ in dp_shard) and the experts are replicated over tp (not tp-sharded: ETP = 1). Without
+sequence parallelism each tp rank routes and dispatches the whole, replicated sequence: the tp ranks of one dp rank
+compute the same expert outputs and the same expert gradients, so nothing is summed over tp and the reduction stays
+over ``edp``. With ``TPPolicy(sequence_parallel=True)`` (Megatron-core's MoE under SP) each tp rank routes only its
+``S / tp`` tokens: no expert work is repeated over tp, and the router's, the shared and the routed experts' gradients
+are summed over tp as the layer uses them (``engine/ep/tokens.py``), before the reduction over ``edp``. Beside
+context parallelism (``ep x cp``) each cp rank dispatches its ``S / cp`` tokens over the ep group of its cp index;
+the cp ranks of a row hold the same experts, so ``edp`` includes cp (``lightning_v17/mesh.py``) and the divisor is
+``dp x cp``, as for the dense gradients. Inside pipeline stages (``ep x pp``) each stage's ep group dispatches its own
 micro-batches, and the experts' gradients accumulate unreduced over the schedule (:meth:`ExpertGradSync.finish_grad_sync`).
 
 A MoE layer is found by what it has, not by its class: a ``dispatcher`` attribute, an ``experts`` child whose

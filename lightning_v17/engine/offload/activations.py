@@ -34,11 +34,12 @@ activation offloading; here through the nvme tier's I/O, :mod:`~lightning_v17.en
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -284,6 +285,9 @@ class ActivationOffload:
         device: the device the blocks compute on; None: the one their parameters are on. Pass it when the
             parameters live elsewhere between uses (ZeRO-3 ``offload_params="cpu"`` keeps the shards on the host,
             and gathers them onto the compute device for each block's forward and backward).
+        passes_in_flight: how many forward passes may hold offloaded blocks at once: 1 without a pipeline; the
+            micro-batches of a step under pp, whose schedule runs several micro-batches' forwards before their
+            backwards (:meth:`micro_batch`). Sizes the ``"cpu"`` tier's pool of pinned buffers.
 
     Raises:
         V17ConfigError: a missing or unwritable ``nvme_path``, ``"cpu"`` without CUDA, a negative
@@ -295,6 +299,7 @@ class ActivationOffload:
         self, blocks: Sequence[nn.Module], *, tier: Tier | str = Tier.NVME, nvme_path: str | os.PathLike | None,
         min_bytes: int = DEFAULT_MIN_BYTES, resident_blocks: int = 1, rank: int = 0,
         option: str = "OffloadPolicy(activations=...)", device: torch.device | str | None = None,
+        passes_in_flight: int = 1,
     ) -> None:  # fmt: skip
         self.tier = check_activation_tier(tier, option=option)
         path = check_nvme_path(nvme_path, option="nvme_path") if self.tier == Tier.NVME else None
@@ -332,7 +337,8 @@ class ActivationOffload:
             self.copies = CudaCopies(next(iter(devices)))
             #: pinned buffers holding the offloaded blocks between forward and backward (+ 1: the next pass's first
             #: block may start before the last one's buffer is reclaimed)
-            self.pool = BlockPool(max(len(blocks) - self.resident_blocks, 0) + 1, alloc=pinned)
+            offloaded = max(len(blocks) - self.resident_blocks, 0) * max(int(passes_in_flight), 1)
+            self.pool = BlockPool(offloaded + 1, alloc=pinned)
         #: bytes/tensors offloaded (each file once), saved bytes kept in memory, saves shared with a file already
         #: written, reads issued one block ahead / on demand, reads already finished when their tensor was needed
         self.stats: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
@@ -340,8 +346,11 @@ class ActivationOffload:
         self._stack: list[tuple[nn.Module, _Segment, Any]] = []  # the blocks whose forward is running
         self._pending: deque[_Entry] = deque()  # writes in flight, oldest first
         self._live: dict[tuple, _Entry] = {}  # sources held (writes in flight): a second save of one is shared
-        self._pass_id, self._last_index = 0, None
-        self._last_seg: _Segment | None = None
+        self._pass_id = 0
+        #: per micro-batch (None without a pipeline): the last block entered and its segment, so that each
+        #: micro-batch's blocks form one pass whatever the schedule runs between them
+        self._last: dict[Any, tuple[int, _Segment]] = {}
+        self._micro_batch: Any = None
         self._names = 0
         self._end_queued = False
         self._handles: list[Any] = []
@@ -394,6 +403,20 @@ class ActivationOffload:
         """Wait for every write in flight and release its source (e.g. before measuring memory)."""
         self._reap(older_than=_ALL)
 
+    @contextlib.contextmanager
+    def micro_batch(self, key: Any) -> Iterator[None]:
+        """Run the blocks' forwards inside as micro-batch ``key``'s (the pipeline runtime wraps each stage's forward
+        of a micro-batch in it). A pipeline schedule interleaves micro-batches (1F1B: forwards of later ones before
+        the backward of the first; interleaved stages: one micro-batch's blocks of two local stages with other
+        micro-batches' between), so the blocks' order alone does not tell whose pass a block continues: each
+        micro-batch's blocks form their own pass (its segments linked in block order, and its backward reads the
+        block ahead of that micro-batch's), and the last ``resident_blocks`` blocks of each pass stay in memory."""
+        prev, self._micro_batch = self._micro_batch, key
+        try:
+            yield
+        finally:
+            self._micro_batch = prev
+
     def __enter__(self) -> ActivationOffload:  # noqa: PYI034
         return self
 
@@ -404,14 +427,16 @@ class ActivationOffload:
     def _enter(self, index: int, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or self.closed:
             return
-        if self._last_index is None or index <= self._last_index:  # a new forward (another micro-batch, step)
+        key = self._micro_batch
+        last = self._last.get(key)
+        if last is None or index <= last[0]:  # a new forward of this micro-batch (another step, or accumulation)
             self._pass_id += 1
-            self._last_seg = None
+            last = None
             self.pool.idle()
         ptrs = {_storage_ptr(t) for t in _tensors(module)}
         resident = index >= len(self.blocks) - self.resident_blocks
-        seg = _Segment(index, self._pass_id, resident, self._last_seg, ptrs)
-        self._last_seg, self._last_index = seg, index
+        seg = _Segment(index, self._pass_id, resident, None if last is None else last[1], ptrs)
+        self._last[key] = (index, seg)
         hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack_hook, seg), self._unpack)
         hooks.__enter__()
         self._stack.append((module, seg, hooks))

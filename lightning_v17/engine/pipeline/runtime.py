@@ -247,6 +247,10 @@ class PipelineRuntime:
     @property
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
+    #: ``OffloadPolicy(activations=...)``'s offload of the local blocks (``engine/offload/activations.py``): each
+    #: stage forward of micro-batch i runs under its ``micro_batch(i)``, so that its saved tensors form that
+    #: micro-batch's pass
+    activations: Any = None
 
     def enable_trace(self) -> list[tuple[str, int, int, float, float]]:
         """Start recording every stage action and loss call (see :class:`BubbleTimer`); returns the shared list."""
@@ -364,18 +368,23 @@ def build_schedule(
 
 def _with_microbatch_context(stage: Any, runtime: PipelineRuntime) -> None:
     """Run each of ``stage``'s actions on micro-batch i under ``runtime.cp_contexts[i]`` (when set): the attention of
-    a micro-batch must see that micro-batch's documents, in its forward and in a recompute during its backward."""
+    a micro-batch must see that micro-batch's documents, in its forward and in a recompute during its backward; and
+    its forwards under ``runtime.activations.micro_batch(i)`` (when set)."""
     from lightning_v17.engine.cp import use_cp_context
 
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         fn = getattr(stage, name)
 
-        def run(*args: Any, _orig: Any = fn, **kwargs: Any) -> Any:
-            contexts = runtime.cp_contexts
-            if contexts is None:
+        def run(*args: Any, _orig: Any = fn, _forward: bool = name == "forward_one_chunk", **kwargs: Any) -> Any:
+            contexts, offload = runtime.cp_contexts, runtime.activations if _forward else None
+            if contexts is None and offload is None:
                 return _orig(*args, **kwargs)
-            chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
-            with use_cp_context(contexts[int(chunk)]):
+            chunk = int(args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id")))
+            with contextlib.ExitStack() as stack:
+                if contexts is not None:
+                    stack.enter_context(use_cp_context(contexts[chunk]))
+                if offload is not None and not offload.closed:
+                    stack.enter_context(offload.micro_batch(chunk))
                 return _orig(*args, **kwargs)
 
         setattr(stage, name, run)

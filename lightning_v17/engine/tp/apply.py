@@ -351,7 +351,10 @@ def llama_tp_plan(
         # one DTensor input shared by the column-parallel projections: a single all-reduce (or reduce-scatter)
         # of its gradient in backward instead of one per projection
         plan[f"{pre}.attention"] = _PrepareFirstInput(input_layout=seq, desired_layout=Replicate())
-        plan[f"{pre}.feed_forward"] = _PrepareFirstInput(input_layout=seq, desired_layout=Replicate())
+        # a MoE MLP that routes slices of the sequences (v17_split_tokens) keeps its SP slice: each tp rank routes and
+        # dispatches its own tokens (Megatron-core's MoE under SP; engine/ep/tokens.py)
+        split = sequence_parallel and getattr(type(getattr(block, "feed_forward", None)), "v17_split_tokens", False)
+        plan[f"{pre}.feed_forward"] = _PrepareFirstInput(input_layout=seq, desired_layout=seq if split else Replicate())
         for fqn, role in roles.items():
             if not fqn.startswith(f"{pre}."):
                 continue

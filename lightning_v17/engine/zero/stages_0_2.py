@@ -303,6 +303,10 @@ class ZeroEngine(LateParams, ShardedOptimizerState):
         e.used = g is not None
         if g is None:  # unused on this rank: contributes zeros (every rank must join every collective)
             return torch.zeros_like(_local(e.param))
+        if any(pl.is_partial() for pl in getattr(g, "placements", ())):
+            # a Replicate parameter used on sequence-sharded activations (SP's norms) gets a Partial gradient over tp:
+            # reduced to the parameter's layout first, as FSDP2 does (FSDPParam._get_grad_inner_tensor)
+            g = e.param.grad = g.redistribute(placements=e.param.placements)
         return _local(g)
 
     def _unused_everywhere(self) -> set[int]:
@@ -514,7 +518,7 @@ def apply_zero(
             prefetch_units=prefetch_units,
             child_units=child_units,
             expert_mesh=expert_shard_mesh(mesh),
-            expert_divide_factor=mesh["dp_replicate"].size() * mesh["dp_shard"].size(),
+            expert_divide_factor=mesh["dp_replicate"].size() * mesh["dp_shard"].size() * mesh["cp"].size(),
         )
         return None
     engine = ZeroEngine(
@@ -535,7 +539,7 @@ def apply_zero(
             module, stage=stage, shard_group=experts.get_group(experts.ndim - 1),
             replicate_group=mesh["dp_replicate"].get_group() if replicate else None, shard_mesh=experts,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, partition=optimizer_partition, overlap=overlap_comm,
-            experts=True, grad_divisor=mesh["dp_replicate"].size() * mesh["dp_shard"].size(),
+            experts=True, grad_divisor=mesh["dp_replicate"].size() * mesh["dp_shard"].size() * mesh["cp"].size(),
         )  # fmt: skip
         engine.expert_engine.set_dp_group(submesh(mesh, "edp").get_group())
     return engine
