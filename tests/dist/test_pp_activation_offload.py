@@ -98,3 +98,8 @@ def test_activation_offload_inside_pp2_trains_like_one_process(runs, name, opt) 
             assert stats[-1]["reads_on_demand"] == stats[0]["reads_on_demand"], (name, opt, rank, stats)
         assert got["left"] == [], (name, rank, got["left"])  # teardown removed the offload's folder
     assert held == ref["weights"].keys()
+    worst = {k: max(abs(a - b) for out in runs["pp"] for a, b in zip(out[(name, opt)][k], ref[k]))
+             for k in ("losses", "norms")}  # fmt: skip
+    worst["params"] = max(float((w - ref["weights"][n]).abs().max()) for out in runs["pp"]
+                          for n, w in out[(name, opt)]["weights"].items())  # fmt: skip
+    print(f"{name} {opt}: max |difference| to one process {worst}")

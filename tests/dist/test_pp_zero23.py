@@ -222,6 +222,11 @@ def test_zero23_inside_pp2_trains_like_one_process(runs, name, opt) -> None:
             # embedding or the norm and head): not one per micro-batch. The first step adds the shape inference's.
             assert got["gathers"][1:] == [2] * (STEPS - 1), (name, opt, rank, got["gathers"])
     assert held == ref["weights"].keys()
+    worst = {k: max(abs(a - b) for out in runs["pp"] for a, b in zip(out[(name, opt)][k], ref[k]))
+             for k in ("losses", "norms")}  # fmt: skip
+    worst["params"] = max(float((w - ref["weights"][n]).abs().max()) for out in runs["pp"]
+                          for n, w in out[(name, opt)]["weights"].items())  # fmt: skip
+    print(f"{name} {opt}: max |difference| to one process {worst}")
 
 
 @pytest.mark.timeout(600)
@@ -234,3 +239,6 @@ def test_pp2_zero3_checkpoint_resumes_like_an_uninterrupted_run(runs) -> None:
         assert resumed["weights"].keys() == whole["weights"].keys()
         for n, w in resumed["weights"].items():
             torch.testing.assert_close(w, whole["weights"][n], rtol=TOL, atol=TOL, msg=f"rank {rank}: {n}")
+        worst = max(float((w - whole["weights"][n]).abs().max()) for n, w in resumed["weights"].items())
+        print(f"rank {rank}: resumed vs uninterrupted, max |loss difference| "
+              f"{max(abs(a - b) for a, b in zip(resumed['losses'], whole['losses'][RESUME_AT:]))}, params {worst}")
