@@ -88,19 +88,24 @@ def _expert_meshes(spec: MeshSpec, device_type: str) -> dict[str, DeviceMesh]:
     return out
 
 
-def expert_shard_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+def expert_shard_mesh(mesh: DeviceMesh, *, offloaded: bool = False) -> DeviceMesh | None:
     """The mesh ZeRO shards the experts over: ``efsdp`` of the sparse mesh (``(dp_replicate, efsdp)`` for HSDP; with
     cp > 1 the flattened ``efsdp x cp``), or None when no rank shares an ep rank's experts within ``dp_shard`` (ep =
-    1, or efsdp = 1: ep = dp_shard; the experts' gradients are then reduced over ``edp`` by ``engine/ep``)."""
+    1, or efsdp = 1: ep = dp_shard; the experts' gradients are then reduced over ``edp`` by ``engine/ep``).
+
+    Args:
+        offloaded: the parameters are offloaded (``OffloadPolicy(params=...)``, ZeRO-3), which moves FSDP2 units'
+            shards: the experts need units of their own even at efsdp = 1, over the one-rank ``efsdp`` axis
+            (``(dp_replicate, efsdp)`` for HSDP, where the replicas reduce them; ``cp`` under cp)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     flat = getattr(mesh, "_v17_flat", None) or {}
     sparse = flat.get("sparse")
-    if sparse is None or sparse["efsdp"].size() == 1:
+    if sparse is None or (sparse["efsdp"].size() == 1 and not offloaded):
         return None
-    if "efsdp_cp" not in flat:
+    if sparse["cp"].size() == 1:
         return sparse["dp_replicate", "efsdp"] if sparse["dp_replicate"].size() > 1 else sparse["efsdp"]
-    shard = flat["efsdp_cp"]
+    shard = flat["efsdp_cp"] if sparse["efsdp"].size() > 1 else sparse["cp"]  # efsdp x cp
     return DeviceMesh._concatenate([sparse["dp_replicate"], shard]) if sparse["dp_replicate"].size() > 1 else shard
 
 

@@ -210,21 +210,8 @@ RULES: tuple[Rule, ...] = (
     # the MoE layers route their slice of each sequence with the whole sequences' statistics (engine/ep/tokens.py)
     # cp beside HSDP (tests/dist/test_hsdp_cp.py) and beside tp with sequence parallelism (tests/dist/test_cp_tp.py)
     # compose
-    # the optimizer tier steps every parameter the optimizer holds, the experts' (ep DTensors, or the experts' ZeRO
-    # engine's partitions) included (tests/dist/test_ep_engine.py); the parameter tier moves FSDP2 units' shards,
-    # and at efsdp = 1 the experts are outside FSDP2 (ignored_params), so they would silently stay resident
-    Rule(
-        name="ep_without_param_offload",
-        options=("ep", "OffloadPolicy.params"),
-        violated=lambda lay: lay.ep > 1 and _tier(lay, "params") != "none",
-        message=lambda lay: (
-            f"ep={lay.ep} with OffloadPolicy(params={_tier(lay, 'params')!r}) is not implemented: the parameter tier "
-            "moves the shards of ZeRO-3's FSDP2 units, and the ep-sharded experts are not all in such units (at "
-            "efsdp = 1 they are outside FSDP2), so they would stay in device memory"
-        ),
-        fix="use ep with OffloadPolicy(params='none') (OffloadPolicy(optimizer=...) works with ep), or ep=1",
-        example={"ep": 2, "zero_stage": 3, "offload": {"params": "nvme", "nvme_path": "."}},
-    ),
+    # ep with OffloadPolicy(params=...) composes (tests/dist/test_ep_offload.py): at ZeRO-3 the experts are FSDP2
+    # units of their own (over the one-rank efsdp axis at efsdp = 1), whose shards the parameter tier moves
 )
 
 

@@ -158,6 +158,7 @@ def apply_zero_stage(
         overlap_comm=z.overlap_comm,
         prefetch_units=z.prefetch_units,
         child_units=steps_inside_forward,
+        offload_experts=policy.offload.params != Tier.NONE,  # the tier moves FSDP2 units: the experts in units too
         pipeline_stages=pipeline_stages,
     )
     # Only what is still on the meta device (meta_init, empty_init): weights loaded in configure_model are kept.
@@ -360,7 +361,8 @@ def parallelize(
             dp=spec.dp * spec.cp,  # the experts' gradients average over dp x cp, as the dense ones do
             dispatcher=policy.expert.dispatcher.value,
             # ZeRO over efsdp (stages 1-3) reduces the experts' gradients itself
-            reduce_grads=not (policy.zero.shards_optimizer and expert_shard_mesh(mesh.device_mesh) is not None),
+            reduce_grads=not (policy.zero.shards_optimizer and expert_shard_mesh(
+                mesh.device_mesh, offloaded=policy.offload.params != Tier.NONE) is not None),
         )
     apply_activation_checkpointing(module, mode=policy.recompute, units=units)  # 4. recompute the blocks
     backend = apply_zero_stage(  # 5. ZeRO over the dp axes (+ parameter offload); materialize a meta model

@@ -330,7 +330,8 @@ def _shard_experts(module: nn.Module, mesh: Any, divide: float | None, rsf: bool
         if not any(is_expert_param(p) for p in experts.parameters()):
             continue
         fully_shard(experts, reshard_after_forward=rsf, shard_placement_fn=placement, **{**kw, "mesh": mesh})
-        experts.set_force_sum_reduction_for_comms(True)
+        if ways > 1:  # a one-rank shard dim (offloaded experts at efsdp = 1) runs no reduce-scatter: FSDP2's copy
+            experts.set_force_sum_reduction_for_comms(True)  # divides by `divide`, and a forced sum would again
         if divide is not None:
             experts.set_gradient_divide_factor(float(divide))
         out.append(experts)

@@ -490,6 +490,7 @@ def apply_zero(
     prefetch_units: int = 1,
     child_units: bool = False,
     pipeline_stages: Sequence[nn.Module] = (),
+    offload_experts: bool = False,
 ) -> ZeroEngine | None:
     """Apply ZeRO ``stage`` to ``module`` over the data-parallel axes of ``mesh`` (a DeviceMesh with axes
     "dp_replicate", "dp_shard" and the flattened "dp"). Returns the :class:`ZeroEngine` for stages 0-2, None for 3.
@@ -497,7 +498,8 @@ def apply_zero(
     ``param_dtype`` (stages 0-2) is ignored: mixed precision there is autocast (Lightning's precision plugin) over
     fp32 parameters, which are then the master weights themselves. ``overlap_comm`` (every stage) and
     ``prefetch_units``, ``child_units`` and ``pipeline_stages`` (stage 3): see :class:`ZeroEngine` and
-    :func:`~lightning_v17.engine.zero.fsdp.apply_fsdp`.
+    :func:`~lightning_v17.engine.zero.fsdp.apply_fsdp`. ``offload_experts`` (stage 3, with parameter offload): the
+    experts become FSDP2 units even where no other rank holds them (:func:`~lightning_v17.mesh.expert_shard_mesh`).
     """
     from lightning_v17.mesh import expert_shard_mesh, submesh, zero_mesh
 
@@ -514,10 +516,10 @@ def apply_zero(
             reduce_dtype=reduce_dtype,
             offload_params=offload_params,
             overlap_comm=overlap_comm,
-            pipeline_stages=pipeline_stages,
             prefetch_units=prefetch_units,
             child_units=child_units,
-            expert_mesh=expert_shard_mesh(mesh),
+            pipeline_stages=pipeline_stages,
+            expert_mesh=expert_shard_mesh(mesh, offloaded=offload_experts),
             expert_divide_factor=mesh["dp_replicate"].size() * mesh["dp_shard"].size() * mesh["cp"].size(),
         )
         return None
