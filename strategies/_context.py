@@ -121,7 +121,11 @@ class ContextSteps:
         batch = super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
         spec = getattr(self, "_mesh", None)
         spec = getattr(spec, "spec", None)
-        if spec is None or spec.cp == 1:
+        if spec is None:
+            return batch
+        if spec.tp > 1 and self.policy.tensor_parallel.sequence_parallel:  # type: ignore[attr-defined]
+            _check_sequence_parallel_rows(batch, spec, self.policy.context)  # type: ignore[attr-defined]
+        if spec.cp == 1:
             return batch
         from lightning_v17.engine.cp import CPContext, set_cp_context, shard_batch, shift_labels
 
@@ -155,6 +159,17 @@ class ContextSteps:
 
         set_cp_context(None)
         self._cp_scale = None
+
+
+def _check_sequence_parallel_rows(batch: Any, spec: Any, context: Any) -> None:
+    """Under sequence parallelism each rank holds S/(cp*tp) tokens of the residual stream: refuse rows that the
+    ranks cannot share evenly, before the first forward (DTensor's sequence shards are equal ones)."""
+    from lightning_v17.engine.cp import check_sequence_parallel_split
+
+    tokens = batch.get("input_ids") if isinstance(batch, dict) else None
+    if isinstance(tokens, Tensor) and tokens.dim() >= 2:
+        check_sequence_parallel_split(tokens.shape[1], cp=spec.cp, tp=spec.tp, balance=context.balance,
+                                      chunks_per_rank=context.chunks_per_rank)  # fmt: skip
 
 
 def _loss_scale(labels: Tensor | None, loss_mask: Tensor | None, *, cp: int, group: Any) -> Tensor | None:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lightning_v17.config import TrainingPolicy, V17ConfigError, ZeroPolicy
+from lightning_v17.config import TPPolicy, TrainingPolicy, V17ConfigError, ZeroPolicy
 from lightning_v17.config.rules import RULES, Layout, violations
 
 
@@ -53,6 +53,10 @@ def test_a_valid_layout_violates_nothing() -> None:
     assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), pp=2, tp=2)) == []
     assert violations(Layout(TrainingPolicy(), pp=1, tp=1)) == []
     assert violations(Layout(TrainingPolicy(), pp=1, tp=2, cp=2)) == []  # cp x tp composes (tests/dist/test_cp_tp.py)
+    # cp beside HSDP (tests/dist/test_hsdp_cp.py) and beside tp with sequence parallelism (tests/dist/test_cp_tp.py)
+    assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), cp=2, dp_replicate=2)) == []
+    sp = TrainingPolicy(zero=ZeroPolicy(stage=3), tensor_parallel=TPPolicy(size=2, sequence_parallel=True))
+    assert violations(Layout(sp, tp=2, cp=2)) == []
     # cp inside pipeline stages composes (tests/dist/test_cp_pp.py)
     assert violations(Layout(TrainingPolicy(zero=ZeroPolicy(stage=1)), pp=2, cp=2)) == []
     # experts over ep beside tp (tests/dist/test_ep_tp.py) and inside pipeline stages (tests/dist/test_ep_pp.py)

@@ -28,6 +28,7 @@ starts inside a document cannot tell where it began.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +43,11 @@ __all__ = [
     "SequenceLayout",
     "attention_work",
     "balance_ratio",
+    "check_sequence_parallel_split",
     "cu_seqlens_from_segment_ids",
     "make_layout",
     "segment_ids_from_position_ids",
+    "sequence_multiple",
     "shard_batch",
     "shift_labels",
     "token_work",
@@ -245,6 +248,36 @@ def _balanced_chunks(work: list[int], cp: int, per_rank: int) -> list[list[int]]
         load[hi] -= work[a] - work[b]
         load[lo] += work[a] - work[b]
     return bins
+
+
+def sequence_multiple(cp: int, balance: str | CPBalance = CPBalance.HEAD_TAIL, *, chunks_per_rank: int = 8,
+                      tp: int = 1) -> int:  # fmt: skip
+    """The row lengths ``S`` must be a multiple of: the chunks of the cp layout (``cp``, ``2 cp`` or
+    ``chunks_per_rank * cp``), and with tensor parallelism's sequence parallelism (``tp`` > 1) ``cp * tp`` too, since
+    each cp rank's ``S / cp`` tokens are split evenly over the tp ranks between the sublayers (DTensor's sequence
+    shards are equal ones)."""
+    balance = CPBalance.parse(balance)
+    chunks = {CPBalance.NONE: cp, CPBalance.HEAD_TAIL: 2 * cp, CPBalance.PACKED: chunks_per_rank * cp}[balance]
+    return math.lcm(chunks, cp * tp) if cp > 1 else tp
+
+
+def check_sequence_parallel_split(
+    seq_len: int, *, cp: int, tp: int, balance: str | CPBalance = CPBalance.HEAD_TAIL, chunks_per_rank: int = 8
+) -> None:
+    """Refuse rows whose ``S / cp`` tokens per cp rank the ``tp`` sequence-parallel ranks cannot share evenly.
+
+    Raises:
+        V17ConfigError: naming ``TPPolicy(sequence_parallel=True)``, the lengths and the length to pad to.
+    """
+    if (seq_len // cp) % tp == 0:
+        return
+    need = sequence_multiple(cp, balance, chunks_per_rank=chunks_per_rank, tp=tp)
+    what = f"each cp rank's {seq_len // cp} tokens (sequence length {seq_len}, cp={cp})" if cp > 1 else (
+        f"the {seq_len} tokens of each row")  # fmt: skip
+    raise V17ConfigError(
+        f"TPPolicy(sequence_parallel=True) with tp={tp} splits {what} over the tp ranks, which needs them divisible "
+        f"by {tp}; pad the rows to a multiple of {need} tokens, or set sequence_parallel=False"
+    )
 
 
 def make_layout(
