@@ -16,6 +16,11 @@ one grouped GEMM per projection (Shazeer 2017; GShard, Lepikhin 2020; Switch, Fe
    recomputes the forward) and kept as ``last_load``;
 6. ``aux_loss``: the sequence-wise balance loss (DeepSeek-V3 eqs. 17-20) times ``aux_loss_coef``, plus the router
    z-loss (Zoph 2022, ST-MoE) times ``z_loss_coef``; both batch-size invariant.
+
+Inside a pipeline schedule (pp > 1, ``engine/ep/balance.py``) the schedule's loss is the last stage's, so step 6
+attaches ``aux_loss`` to the layer's output instead (it rides the backward of the schedule's loss, at the main loss's
+scale over the micro-batches; ``aux_loss`` keeps a detached copy), and a forward that only infers the stages' shapes
+counts no load and keeps no aux loss (:attr:`MoE.pipeline_balance`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_v17.engine._dtensor import local
+from lightning_v17.engine.ep.balance import (
+    attach_aux_loss,
+    current_pipeline_step,
+    in_shape_inference,
+    warn_padding_once,
+)
 from lightning_v17.engine.ep.tokens import TokenSplit
 
 if TYPE_CHECKING:
@@ -145,7 +156,11 @@ class MoE(nn.Module):
         expert_load: [E] fp32 buffer (not persistent), assignments routed per expert since the last bias update.
         dispatcher: None (one process: :class:`LocalDispatch`) or the engine's dispatcher under ``ep > 1``.
         aux_loss, last_load, last_dropped: of the last forward.
+        pipeline_balance: True: under a pipeline schedule the layer attaches its aux loss to its output and skips
+            the shape-inference forward (``engine.ep.check_pipeline_moe`` refuses balance terms in layers without it).
     """
+
+    pipeline_balance = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -229,13 +244,25 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat).index_add(0, token_of, y * weight_of[:, None].to(y.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat, None if split is None else split.weight)
+        out = out.view(b, s, h)
+        if in_shape_inference():  # torch's pipelining inferring the stages' shapes: not a forward of the step
+            return out
         load = torch.bincount(expert_of, minlength=e).float()
         load = load if split is None else split.all_reduce(load)  # the whole sequences' load on every rank
         self.last_load, self.last_dropped = load, (~keep).sum()
         if self.training and torch._C._current_graph_task_id() == -1:  # not inside backward (a recompute)
             self.expert_load += load
-        self.aux_loss = self._aux(logits, scores, group, b, s)
-        return out.view(b, s, h)
+        aux = self._aux(logits, scores, group, b, s)
+        step = current_pipeline_step()
+        if step is None:  # the caller adds aux_loss to its loss (LlamaLM.training_step)
+            self.aux_loss = aux
+            return out
+        # inside a pipeline schedule the loss is the last stage's: the aux loss rides this output's backward
+        if self.aux_loss_coef or self.z_loss_coef or self.expert_bias_rate:
+            warn_padding_once(step)
+        self.aux_loss = aux.detach()
+        attached = attach_aux_loss(out, aux)
+        return out if attached is None else attached
 
     @staticmethod
     def _local_tokens(x: torch.Tensor) -> tuple[torch.Tensor, TokenSplit | None]:

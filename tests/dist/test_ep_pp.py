@@ -12,9 +12,8 @@ stage, 2 micro-batches per step) against one process on the concatenated batch, 
   efsdp = 2 and ZeRO-1 partitions the experts over it (the expert engine), under a zero-bubble schedule, whose
   weight gradients are accumulated by hand (no gradient hook fires): the same checks.
 
-The balance terms are off: under pp the schedule's loss is the last stage's cross-entropy (the balance losses would be
-dropped) and torch's shape inference runs one extra forward on the first step (the expert-bias load would count it),
-so the engine refuses ``aux_loss_coef``/``z_loss_coef``/``expert_bias_rate`` there (``test_pp_refuses_balance_losses``).
+The balance terms are off here; ``tests/dist/test_moe_pp_balance.py`` runs the same layout with the balance loss, the
+z-loss and the expert bias on.
 """
 
 from __future__ import annotations
@@ -82,18 +81,3 @@ def test_ep2_inside_pp2_matches_one_process(results, references, opt_name) -> No
         assert_params_close(got["params"], ref, tol=TOL, msg=f"rank {rank}")  # AdamW: tests/_adamw_parity.py
         params.update(got["params"])
     assert params.keys() == ref["params"].keys()  # the two stages hold the whole model between them
-
-
-@pytest.mark.parametrize("term", ["aux_loss_coef", "z_loss_coef", "expert_bias_rate"])
-def test_pp_refuses_balance_losses(term) -> None:
-    """What the pipeline cannot honour in MoE layers is refused before the model is cut, naming the option."""
-    from lightning_v17.config import V17ConfigError
-    from lightning_v17.engine.ep import check_pipeline_moe
-    from lightning_v17.models import Llama
-    from lightning_v17.models.config import ModelConfig
-
-    model = Llama(ModelConfig.from_preset("tiny-moe", layers=2, **{term: 0.01}))
-    check_pipeline_moe(model, pp=1)  # without a pipeline every term is honoured
-    with pytest.raises(V17ConfigError, match=rf"pp=2 with {term}=0.01 in the MoE layer layers.1.feed_forward"):
-        check_pipeline_moe(model, pp=2)
-    check_pipeline_moe(Llama(ModelConfig.from_preset("tiny-moe", layers=2)), pp=2)  # the defaults pass

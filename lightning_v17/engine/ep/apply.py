@@ -71,12 +71,13 @@ _BALANCE_TERMS = ("aux_loss_coef", "z_loss_coef", "expert_bias_rate")
 
 
 def check_pipeline_moe(module: nn.Module, *, pp: int) -> None:
-    """Refuse what MoE layers cannot do inside pipeline stages (pp > 1), before the model is cut.
+    """Refuse MoE layers whose balance terms a pipeline (pp > 1) would lose, before the model is cut.
 
-    * ``aux_loss_coef``/``z_loss_coef``: the schedule's loss is the last stage's ``loss_fn`` of the logits; the
-      balance losses the MoE layers of every stage compute would be dropped silently.
-    * ``expert_bias_rate``: torch's pipelining infers the stages' shapes with one extra forward of micro-batch 0
-      (garbage activations on the later stages) on the first step, which the layers would count as routed load.
+    The schedule's loss is the last stage's ``loss_fn`` of the logits, and torch's pipelining infers the stages'
+    shapes with an extra forward of micro-batch 0 on its first step. A layer that declares ``pipeline_balance``
+    (the reference :class:`~lightning_v17.models.moe.MoE`) attaches its balance losses to its output activations
+    inside the schedule and counts no load in that extra forward (``engine/ep/balance.py``): every term is honoured.
+    Any other layer with ``aux_loss_coef``, ``z_loss_coef`` or ``expert_bias_rate`` is refused.
 
     Raises:
         V17ConfigError: naming the layer, the option and the fix.
@@ -84,14 +85,21 @@ def check_pipeline_moe(module: nn.Module, *, pp: int) -> None:
     if pp <= 1:
         return
     for name, layer in find_moe_layers(module):
+        if getattr(layer, "pipeline_balance", False):
+            continue
         for term in _BALANCE_TERMS:
             if getattr(layer, term, 0):
+                lost = (
+                    "the pipeline's shape inference runs an extra forward that the layer would count as routed load"
+                    if term == "expert_bias_rate"
+                    else "the pipeline's loss is the last stage's, so a balance loss that the layer hands its caller "
+                    "never reaches the backward"
+                )
                 raise V17ConfigError(
-                    f"pp={pp} with {term}={getattr(layer, term)} in the MoE layer {name} is not implemented yet: "
-                    + ("the pipeline's loss is the last stage's, and the balance losses of the stages' MoE layers "
-                       "would be dropped" if term != "expert_bias_rate" else
-                       "the pipeline's shape inference runs an extra forward that would count as routed load")
-                    + f"; set {term}=0 with pp > 1, or pp=1"
+                    f"pp={pp} with {term}={getattr(layer, term)} in the MoE layer {name} ({type(layer).__name__}): "
+                    f"{lost}; attach the aux loss to the layer's output with lightning_v17.engine.ep.balance."
+                    "attach_aux_loss, skip counting inside balance.in_shape_inference(), and set the layer's "
+                    f"pipeline_balance = True, or set {term}=0 with pp > 1"
                 )
 
 

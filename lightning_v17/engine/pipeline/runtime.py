@@ -362,8 +362,27 @@ def build_schedule(
     )
     for st in stages:
         _with_microbatch_context(st, runtime)
+        _mark_shape_inference(st)
         timer.wrap_stage(st)
     return runtime
+
+
+def _mark_shape_inference(stage: Any) -> None:
+    """Run ``stage``'s shape inference (torch ``pipelining/stage.py``: an extra forward of micro-batch 0, and a
+    backward for the gradients' shapes, on the first step and after each train/eval switch) under
+    ``engine.ep.balance.shape_inference()``: MoE layers count no routed load in it and keep no aux loss from it."""
+    from lightning_v17.engine.ep.balance import shape_inference
+
+    for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
+        fn = getattr(stage, name, None)
+        if fn is None:
+            continue
+
+        def run(*args: Any, _orig: Any = fn, **kwargs: Any) -> Any:
+            with shape_inference():
+                return _orig(*args, **kwargs)
+
+        setattr(stage, name, run)
 
 
 def _with_microbatch_context(stage: Any, runtime: PipelineRuntime) -> None:
@@ -483,6 +502,7 @@ def _prepare(runtime: PipelineRuntime, batch: Any, *, train: bool, loss_scale: A
 
 def _run(runtime: PipelineRuntime, inputs: _StepInputs) -> torch.Tensor:
     from lightning_v17.engine.cp import use_cp_context
+    from lightning_v17.engine.ep.balance import pipeline_balance_step
     from lightning_v17.engine.tp.apply import loss_parallel_context
 
     loss_fn = runtime.loss_fn
@@ -493,7 +513,11 @@ def _run(runtime: PipelineRuntime, inputs: _StepInputs) -> torch.Tensor:
     runtime.cp_contexts = inputs.cp
     # the schedule's first call infers the stages' shapes by running micro-batch 0 outside the stage actions
     first = use_cp_context(inputs.cp[0]) if inputs.cp else contextlib.nullcontext()
-    with loss_parallel_context(runtime.loss_parallel), first:
+    # MoE layers attach their balance losses to their outputs at the micro-batch loss's scale (engine/ep/balance.py)
+    moe = (pipeline_balance_step(loss_fn.scale / runtime.policy.microbatches,
+                                 padding_rows=inputs.target.numel() - loss_fn._rows)
+           if inputs.train else contextlib.nullcontext())  # fmt: skip
+    with loss_parallel_context(runtime.loss_parallel), first, moe:
         if inputs.train:
             runtime.schedule.step(
                 *inputs.args, target=inputs.target, losses=losses, return_outputs=False, **inputs.kwargs
