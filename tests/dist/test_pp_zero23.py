@@ -11,6 +11,8 @@ spawn trains every case, 5 steps each:
   every step, so the clipping changes every update);
 * ZeRO-3 keeps every unit gathered across the step's micro-batches: exactly one all-gather per FSDP2 group per step
   (the first step's shape inference aside), not one per micro-batch;
+* the MoE LlamaLM (one MoE block per stage) with ep = 2 inside each stage's dp pair at ZeRO-3, plain SGD: the
+  ep-sharded experts (outside FSDP2) are reduced once after the schedule, the dense parts by the FSDP2 stages;
 * a pp2 x ZeRO-3 checkpoint: 3 steps, ``trainer.save_checkpoint``, then a fresh Trainer and module resume from it
   (``fit(ckpt_path=...)``) for steps 4-5 on the rows of those steps: its losses and parameters equal the
   uninterrupted ZeRO-3 1F1B AdamW run's.
@@ -38,6 +40,11 @@ CASES = {  # name -> V17Strategy kwargs (pp2 x dp2 on 4 ranks)
     "zero3_1f1b": {"zero_stage": 3, "pp": {"size": 2, "schedule": "1f1b", "microbatches": 2}},
 }
 RESUME_AT = 3  # the checkpoint case saves after this many steps of zero3_1f1b / adamw_clip
+#: the MoE LlamaLM (one MoE block per stage) with its experts over ep = 2 inside each stage's dp pair, at ZeRO-3
+MOE = {
+    "overrides": {"layers": 2, "dense_layers": 0},
+    "strategy": {"pp": 2, "ep": 2, "zero_stage": 3, "microbatches": 2},
+}
 
 
 def _loader(world: int, first_step: int = 0):
@@ -173,9 +180,17 @@ def _fit_all(rank: int, world: int, tmp: str) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
+    from tests._strategy import fit_moe, v17
+
     if world == 1:
-        return {opt: _fit(1, None, opt) for opt in OPTS}
+        return {
+            **{opt: _fit(1, None, opt) for opt in OPTS},
+            "moe": fit_moe("sgd", 1, "auto", overrides=MOE["overrides"]),
+        }
     out = {(name, opt): _fit(world, kw, opt) for name, kw in CASES.items() for opt in OPTS}
+    # ZeRO-3 shards rather than broadcasts over dp_shard: every rank starts from the same weights (perturb_odd off)
+    out["moe"] = fit_moe("sgd", world, v17(**MOE["strategy"]), overrides=MOE["overrides"], dp_axis_stride=1,
+                         stage_ranks=(0, 2), perturb_odd=False)  # fmt: skip
     ckpt = f"{tmp}/pp2_zero3.ckpt"
     kw = CASES["zero3_1f1b"]
     _fit(world, kw, "adamw_clip", max_steps=RESUME_AT, save=ckpt)
@@ -240,5 +255,32 @@ def test_pp2_zero3_checkpoint_resumes_like_an_uninterrupted_run(runs) -> None:
         for n, w in resumed["weights"].items():
             torch.testing.assert_close(w, whole["weights"][n], rtol=TOL, atol=TOL, msg=f"rank {rank}: {n}")
         worst = max(float((w - whole["weights"][n]).abs().max()) for n, w in resumed["weights"].items())
-        print(f"rank {rank}: resumed vs uninterrupted, max |loss difference| "
-              f"{max(abs(a - b) for a, b in zip(resumed['losses'], whole['losses'][RESUME_AT:]))}, params {worst}")
+        print(
+            f"rank {rank}: resumed vs uninterrupted, max |loss difference| "
+            f"{max(abs(a - b) for a, b in zip(resumed['losses'], whole['losses'][RESUME_AT:]))}, params {worst}"
+        )
+
+
+@pytest.mark.timeout(600)
+def test_ep2_inside_pp2_zero3_trains_like_one_process(runs) -> None:
+    """ep x pp x ZeRO-3: the experts (ep-sharded, outside FSDP2 at efsdp = 1) accumulate over the micro-batches and
+    are reduced once after the schedule (the backend's ``pipeline_reducer``), the dense parts by the FSDP2 stages."""
+    import torch
+
+    ref = runs["ref"][0]["moe"]
+    params: set[str] = set()
+    for rank, out in enumerate(runs["pp"]):
+        got = out["moe"]
+        stage = rank // 2
+        assert got["experts"] == [f"layers.{stage}.feed_forward.experts.down_proj",
+                                  f"layers.{stage}.feed_forward.experts.gate_up_proj"], (rank, got["experts"])  # fmt: skip
+        assert got["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL), (rank, got["losses"], ref["losses"])
+        assert got["norms"] == pytest.approx(ref["norms"], rel=TOL), (rank, got["norms"], ref["norms"])
+        for n, w in got["params"].items():
+            torch.testing.assert_close(w, ref["params"][n], rtol=TOL, atol=TOL, msg=f"rank {rank}: {n}")
+        params |= got["params"].keys()
+    assert params == ref["params"].keys()
+    worst = max(
+        float((w - ref["params"][n]).abs().max()) for out in runs["pp"] for n, w in out["moe"]["params"].items()
+    )
+    print(f"ep2 x pp2 x ZeRO-3 sgd: max |parameter difference| to one process {worst}")
