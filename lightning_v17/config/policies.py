@@ -21,7 +21,8 @@ class ZeroPolicy:
         stage: 0 = DDP (nothing sharded), 1 = optimizer state, 2 = + gradients, 3 = + parameters (FSDP2).
         reshard_after_forward: stage 3 only. ``True`` frees gathered parameters after each unit's forward (ZeRO-3);
             ``False`` keeps them until backward (more memory, one all-gather less). ``None``: True, except the last
-            unit and the root group, which backward needs first.
+            unit and the root group, which backward needs first; with pp > 1, False (each stage's units stay gathered
+            across the step's micro-batches: one all-gather per unit per step, torchtitan's choice under pp).
         wrap_classes: class names that become ZeRO-3 units and recompute blocks. Empty means auto-detect: the
             children of every ``nn.ModuleList`` / repeated-block ``nn.ModuleDict``.
         bucket_mb: gradient bucket size for stage 0-2 reductions, in MiB (DeepSpeed's reduce_bucket_size).
