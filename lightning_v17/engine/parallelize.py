@@ -359,7 +359,7 @@ def parallelize(
         ep = apply_expert_parallel(
             module, ep_mesh=mesh["ep"], edp_group=mesh.group("edp") if mesh["edp"].size() > 1 else None,
             dp=spec.dp * spec.cp,  # the experts' gradients average over dp x cp, as the dense ones do
-            dispatcher=policy.expert.dispatcher.value,
+            dispatcher=policy.expert.dispatcher.value, cp=spec.cp,
             # ZeRO over efsdp (stages 1-3) reduces the experts' gradients itself
             reduce_grads=not (policy.zero.shards_optimizer and expert_shard_mesh(
                 mesh.device_mesh, offloaded=policy.offload.params != Tier.NONE) is not None),

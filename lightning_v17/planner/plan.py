@@ -324,7 +324,8 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
     sp = (tp > 1) if train.sp is None else train.sp
     ep = train.ep
     if ep is None:  # the tree's expert parallelism, on the layouts its recipe is for: data parallelism alone (the
-        # rules refuse ep with cp and with parameter offload; optimizer offload composes with it)
+        # recipe is measured on dp alone and with optimizer offload; ep with tp, pp, cp or parameter offload is
+        # planned when asked for with --ep)
         plain = tp == pp == cp == 1 and train.offload_params == Tier.NONE
         ep = moe_.recommend_ep(model.shape.num_experts, dp_shard=dp) if rec.ep > 1 and plain else 1
     cp_mode = None

@@ -62,8 +62,9 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from lightning_v17.config import OffloadPolicy
     from lightning_v17.strategies import V17Strategy
+
+    from lightning_v17.config import OffloadPolicy
 
     seen: list = []
     _watch_tier(seen)

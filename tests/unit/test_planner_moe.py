@@ -302,16 +302,17 @@ def test_dispatch_that_dominates_the_step_warns_once() -> None:
     assert len(lines(crossing)) == 1 and "ep <= 8" in lines(crossing)[0] and lines(inside) == []
 
 
-def test_ep_with_tp_is_planned_and_warned_from_the_rules() -> None:
-    # ep x tp composes; with tp's sequence parallelism (on by default at tp > 1) the rules warn
-    out = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "2")
-    assert any(w.startswith("ep=2 with TPPolicy(sequence_parallel=True)") for w in out["recommendation"]["warnings"])
-    out = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "2", "--no-sp")
-    assert not any("not implemented" in w for w in out["recommendation"]["warnings"])
+def test_ep_with_tp_is_planned_without_a_rule_warning() -> None:
+    # ep x tp composes, with tp's sequence parallelism (on by default at tp > 1; tests/dist/test_ep_tp_sp.py) and
+    # without it (tests/dist/test_ep_tp.py): the rules warn about neither
+    for sp in ((), ("--no-sp",)):
+        out = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "2", *sp)
+        assert out["layout"]["ep"] == 2 and out["layout"]["sp"] == (not sp), out["layout"]
+        assert not any(w.startswith("ep=2") for w in out["recommendation"]["warnings"]), out["recommendation"]
 
 
 def test_the_tree_keeps_ep_with_optimizer_offload_and_drops_it_with_parameter_offload() -> None:
-    """V17Strategy steps the experts' optimizer state on the offload tier, but its parameter tier does not move the
-    experts (rule ep_without_param_offload): the tree's ep follows."""
+    """The tree's recipe applies ep on layouts of data parallelism alone (its own scope: ep with parameter offload
+    runs, tests/dist/test_ep_offload.py, and is planned when asked for with --ep)."""
     assert _plan("--model", "mixtral-8x7b", "--gpus", "16", "--offload-optimizer", "cpu")["layout"]["ep"] == 8
     assert _plan("--model", "mixtral-8x7b", "--gpus", "16", "--offload-params", "cpu")["layout"]["ep"] == 1

@@ -37,6 +37,7 @@ parameters are 3-D with the expert on dim 0, and ``num_experts`` (:func:`find_mo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,8 @@ from lightning_v17.engine.ep.dispatch import make_dispatcher
 
 __all__ = ["ExpertGradSync", "ExpertParallel", "apply_expert_parallel", "check_pipeline_moe", "expert_params",
            "find_moe_layers", "is_expert_param"]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 #: the attribute that marks an expert weight sharded over ep (ZeRO, FSDP2 and the replica sync leave it out)
 EXPERT_MARK = "_v17_expert"
@@ -222,6 +225,7 @@ def apply_expert_parallel(
     layers: Iterable[tuple[str, nn.Module]] | None = None,
     dispatcher: str = "alltoall",
     reduce_grads: bool = True,
+    cp: int = 1,
 ) -> ExpertParallel:
     """Shard every MoE layer's experts over ``ep_mesh`` and give it the all-to-all dispatcher.
 
@@ -235,6 +239,8 @@ def apply_expert_parallel(
             (:class:`~lightning_v17.engine.ep.dispatch.AllGatherDispatch`).
         reduce_grads: reduce the experts' gradients here (:class:`ExpertGradSync`); False when ZeRO-3 shards the
             experts over ``efsdp`` and FSDP2 reduces them (``engine.zero.fsdp.apply_fsdp``'s ``expert_mesh``).
+        cp: the context-parallel size: each rank routes ``S / cp`` tokens of every row; a layer that does not
+            declare ``v17_split_tokens`` (gathering its per-sequence statistics over cp) is warned about once.
 
     Raises:
         V17ConfigError: no MoE layer, an expert count that ``ep`` does not divide, weights not fused on dim 0.
@@ -252,6 +258,12 @@ def apply_expert_parallel(
             raise V17ConfigError(
                 f"ep={ep} must divide the {layer.num_experts} experts of {name or 'the MoE layer'}; choose ep among "
                 f"{[d for d in range(1, layer.num_experts + 1) if layer.num_experts % d == 0]}"
+            )
+        if cp > 1 and not getattr(type(layer), "v17_split_tokens", False):
+            log.warning(
+                "cp=%d: the MoE layer %s (%s) routes each cp rank's S/%d tokens and computes any routing statistics "
+                "of its own (a balance loss, a capacity) on them alone; the dispatch and the experts' gradients are "
+                "exact, statistics over whole sequences or batches are not", cp, name, type(layer).__name__, cp,
             )
         params += _shard_experts(layer, ep_mesh)
         layer.dispatcher = make_dispatcher(dispatcher, ep_mesh.get_group(), layer.num_experts)
