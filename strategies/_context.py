@@ -54,9 +54,12 @@ def prepare_context_parallel_model(strategy: Any, model: nn.Module, cp: int) -> 
     before the cut (it would shift inside each shard, losing every shard's last target and pairing tokens across
     the head-tail reordering). The reference Llama's attention opts in by ``v17_context_parallel = True``.
     """
+    hf_models = _hf_models(model)
+    for hf in hf_models:
+        _wire_hf_loss(strategy, hf)
+    strategy._token_shift = any(hasattr(hf, "loss_function") for hf in hf_models)  # their loss shifts the labels
     if cp == 1:
         return
-    hf_models = _hf_models(model)
     pp = strategy.policy.pipeline.size
     if hf_models and pp > 1:
         raise V17ConfigError(
@@ -91,8 +94,17 @@ def _wire_hf(strategy: Any, hf: nn.Module) -> None:
         return args, kwargs
 
     hf.register_forward_pre_hook(positions, with_kwargs=True)
-    if not hasattr(hf, "loss_function"):
+
+
+def _wire_hf_loss(strategy: Any, hf: nn.Module) -> None:
+    """The Hugging Face causal-LM loss under V17: under cp it takes the targets shifted on the full rows (it would
+    shift inside each shard), and under ``loss_normalization="tokens"`` it divides its token sum by the step's
+    global count (``num_items_in_batch``, transformers' own argument for it; ``engine/loss_norm.py``)."""
+    if not hasattr(hf, "loss_function") or getattr(hf, "_v17_loss_wired", False):
         return
+    from lightning_v17.engine.cp import current_cp_context
+    from lightning_v17.engine.loss_norm import current_token_normalizer
+
     inner = hf.loss_function
 
     def loss(logits: Tensor, labels: Tensor | None, vocab_size: int, num_items_in_batch: Any = None,
@@ -102,10 +114,17 @@ def _wire_hf(strategy: Any, hf: nn.Module) -> None:
                 raise V17ConfigError("under cp the Hugging Face loss needs the batch's 'labels' (or shift_labels=)")
             shift_labels = strategy._cp_shift_labels
             strategy._cp_scale = strategy._cp_shift_scale  # this loss is the mean over the shifted local targets
-        return inner(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=ignore_index,
+            num_items_in_batch = None
+        norm = current_token_normalizer()
+        if norm is not None and num_items_in_batch is None and (labels is not None or shift_labels is not None):
+            targets = shift_labels if shift_labels is not None else labels[..., 1:]
+            if norm.matches((targets != ignore_index).sum()):
+                norm.used, num_items_in_batch = True, torch.tensor(norm.divisor, dtype=torch.float64)
+        return inner(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
                      shift_labels=shift_labels, **kwargs)  # fmt: skip
 
     hf.loss_function = loss
+    hf._v17_loss_wired = True
 
 
 class ContextSteps:
@@ -151,13 +170,18 @@ class ContextSteps:
         return cpb.local
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """The step's loss as the backward under cp needs it (module docstring); unchanged at cp = 1."""
-        return loss if self._cp_scale is None else loss * self._cp_scale
+        """The step's loss as the backward under cp needs it (module docstring); unchanged at cp = 1, and unchanged
+        when the loss already divided by the step's global target count (``_tokens.py``)."""
+        if self._cp_scale is None or self.token_normalized():  # type: ignore[attr-defined]
+            return loss
+        return loss * self._cp_scale
 
     def clear_context(self) -> None:
         from lightning_v17.engine.cp import set_cp_context
+        from lightning_v17.engine.loss_norm import set_token_normalizer
 
         set_cp_context(None)
+        set_token_normalizer(None)
         self._cp_scale = None
 
 

@@ -244,6 +244,17 @@ def apply_config_to_trainer(policy: TrainingPolicy, trainer: Any) -> None:
         trainer.accumulate_grad_batches = policy.gradient_accumulation_steps
 
 
+def check_first_batch(strategy: Any, batch: Any) -> bool:
+    """:func:`check_batch_keys` against the first training batch when the config has batch keys; True once done."""
+    from lightning_v17.strategies._pipeline import rows
+
+    policy = strategy.policy
+    if policy.micro_batch_size or policy.train_batch_size:
+        trainer = strategy.lightning_module.trainer
+        check_batch_keys(policy, rows=rows(batch), accumulate=trainer.accumulate_grad_batches, dp=strategy.mesh.spec.dp)
+    return True
+
+
 def check_batch_keys(policy: TrainingPolicy, *, rows: int, accumulate: int, dp: int) -> None:
     """The DeepSpeed batch keys against the first real training batch (in Lightning the DataLoader decides it).
 

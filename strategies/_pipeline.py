@@ -28,6 +28,7 @@ from lightning_v17.strategies._precision import loss_scale
 from torch import Tensor
 
 from lightning_v17.config import PipelinePolicy, V17ConfigError
+from lightning_v17.engine.loss_norm import current_token_normalizer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -100,10 +101,15 @@ def training_step(strategy: V17Strategy, args: tuple, kwargs: dict) -> Tensor:
     scale = loss_scale(strategy)
     if trainer.accumulate_grad_batches > 1:
         scale = (1.0 if scale is None else scale) / trainer.accumulate_grad_batches
-    if strategy._cp_scale is not None:  # cp: the rows' token mean from this rank's (ContextSteps.scale_loss)
+    # cp: the rows' token mean from this rank's (ContextSteps.scale_loss), unless the default loss divides by the
+    # step's global target count (the current TokenNormalizer, strategies/_tokens.py), which already is that
+    global_tokens = current_token_normalizer() is not None and runtime.loss_fn.loss_fn is None
+    if strategy._cp_scale is not None and not global_tokens:
         scale = strategy._cp_scale if scale is None else scale * strategy._cp_scale
     with strategy.precision_plugin.train_step_context():
         loss = pipeline_step(runtime, batch, grad_sync=strategy.zero.pipeline_reducer, loss_scale=scale)
+    if global_tokens and not strategy.token_normalized():
+        raise RuntimeError("the pipeline's default loss counted other targets than the strategy's token count")
     call._call_callback_hooks(trainer, "on_after_backward")
     call._call_lightning_module_hook(trainer, "on_after_backward")
     # No on_before_backward here (no single moment before the interleaved backward): callbacks that judge the step's
@@ -117,6 +123,13 @@ def training_step(strategy: V17Strategy, args: tuple, kwargs: dict) -> Tensor:
         module.log("pipeline/bubble_fraction", runtime.bubble_over_busy, batch_size=bsz)
     module.log("pipeline/bubble_planned", runtime.planned_bubble, batch_size=bsz)
     return loss
+
+
+def refuse_predict(strategy: V17Strategy) -> None:
+    raise V17ConfigError(
+        f"predict with pp={strategy.mesh.spec.pp} is not supported (only the last stage would hold the outputs); "
+        "predict with pp=1 (a pp checkpoint loads at pp=1)"
+    )
 
 
 def eval_step(strategy: V17Strategy, stage: str, args: tuple, kwargs: dict) -> Tensor:

@@ -34,10 +34,11 @@ from lightning_v17.strategies._options import (
     apply_config_to_trainer,
     build_policy,
     check_axes,
-    check_batch_keys,
+    check_first_batch,
     check_hang_timeout,
     warn_checkpoint_io,
 )
+from lightning_v17.strategies._tokens import TokenSteps, check_loss_normalization
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -51,7 +52,6 @@ from lightning_v17.config import (
     OffloadPolicy,
     PipelinePolicy,
     TPPolicy,
-    V17ConfigError,
     ZeroPolicy,
 )
 from lightning_v17.engine.ep import balanced_layers, step_expert_biases
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 _RUNS = itertools.count()  # one watchdog key space per setup; every rank runs the same sequence of fits
 
 
-class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelStrategy):
+class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     """ZeRO-0/1/2/3 (and HSDP) x TP(+SP) x PP on a 5-axis device mesh, for any LightningModule, on CPU and GPU.
 
     The arguments are the mesh's axis sizes (an axis with options takes its policy instead, the size inside:
@@ -102,6 +102,10 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
         process_group_backend: "gloo" or "nccl"; None picks from the device.
         timeout: collective timeout (``init_process_group(timeout=)``; torch's default is 30 minutes).
         hang_timeout: seconds without progress before the watchdog ends a rank (``resilience/watchdog.py``); None: off.
+        loss_normalization: "tokens": the losses that know their target count (the reference model's, the pipeline's
+            default, Hugging Face causal LMs') divide their token sum once by the optimizer step's global count, over
+            dp x cp ranks and accumulated batches: one process's objective on every layout (``docs/loss.md``).
+            "rank_mean": each rank's own mean (DDP's objective), what a module returning a scalar of its own gets.
     """
 
     strategy_name = "v17"
@@ -123,6 +127,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         hang_timeout: float | None = None,
+        loss_normalization: str = "tokens",
     ) -> None:
         super().__init__()  # accelerator, devices, cluster environment, checkpoint IO, precision: set by the Trainer
         self.policy = build_policy(zero_stage=zero_stage, activation_checkpointing=activation_checkpointing, tp=tp,
@@ -136,6 +141,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
         self._parallel: Parallelized | None = None  # what parallelize did, after setup
         self._balanced: list[Module] = []  # MoE layers with an aux-loss-free expert bias
         self._batch_checked, self.num_nodes = False, 1
+        self._loss_normalization = check_loss_normalization(loss_normalization)
 
     @classmethod
     @override
@@ -331,11 +337,8 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._batch_checked and (self.policy.micro_batch_size or self.policy.train_batch_size):
-            trainer = self.lightning_module.trainer  # DeepSpeed's batch keys against the real batch, once
-            rows = _pipeline.rows(args[0] if args else kwargs["batch"])
-            check_batch_keys(self.policy, rows=rows, accumulate=trainer.accumulate_grad_batches, dp=self.mesh.spec.dp)
-            self._batch_checked = True
+        if not self._batch_checked:  # DeepSpeed's batch keys against the real batch, once
+            self._batch_checked = check_first_batch(self, args[0] if args else kwargs["batch"])
         with self._watch("training_step"):
             if self._pipelined():
                 return _pipeline.training_step(self, args, kwargs)
@@ -361,10 +364,7 @@ class V17Strategy(ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelSt
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipelined():
-            raise V17ConfigError(
-                f"predict with pp={self.mesh.spec.pp} is not supported (only the last stage would hold the outputs); "
-                "predict with pp=1 (a pp checkpoint loads at pp=1)"
-            )
+            _pipeline.refuse_predict(self)
         return self._step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
     def _step(self, hook: str, step_context: Any, args: tuple, kwargs: dict) -> Any:

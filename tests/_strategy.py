@@ -144,11 +144,16 @@ def fit_packed(world: int, strategy: dict[str, Any], opt: str, docs: list[list[i
 
     class Losses(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            # the rows' token mean from the cp ranks' own: sum(mean_r * targets_r) / sum(targets_r)
-            w = (batch["labels"] != -100).sum().double()
-            num = torch.stack([outputs["loss"].detach().double() * w, w])
-            if world > 1:
-                torch.distributed.all_reduce(num, group=trainer.strategy._mesh.group("cp"))
+            loss = outputs["loss"].detach().double()
+            if trainer.strategy.token_normalized():  # each rank's share of the step's global token mean
+                num = torch.stack([loss, torch.ones_like(loss)])
+                for axis in ("cp", "dp") if world > 1 else ():
+                    torch.distributed.all_reduce(num, group=trainer.strategy.mesh.group(axis))
+            else:  # the rows' token mean from the cp ranks' own: sum(mean_r * targets_r) / sum(targets_r)
+                w = (batch["labels"] != -100).sum().double()
+                num = torch.stack([loss * w, w])
+                if world > 1:
+                    torch.distributed.all_reduce(num, group=trainer.strategy.mesh.group("cp"))
             losses.append(float(num[0] / num[1]))
 
     module = Module(model="tiny", model_overrides={"layers": 2})

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_v17.config import V17ConfigError
 from lightning_v17.data.packing import IGNORE_INDEX
 from lightning_v17.engine.ep.balance import balanced_layers, step_expert_biases
+from lightning_v17.engine.loss_norm import divide_token_sum
 from lightning_v17.engine.zero.fsdp import fsdp_root
 from lightning_v17.models.config import ModelConfig
 from lightning_v17.models.llama import Llama
@@ -27,6 +28,9 @@ def next_token_loss(
     logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over the tokens whose label is not -100 (times ``loss_mask`` if given).
+
+    Under ``V17Strategy(loss_normalization="tokens")`` (the default) the token sum is divided by the optimizer step's
+    global target count instead, scaled to this rank's share (:mod:`lightning_v17.engine.loss_norm`).
 
     Args:
         logits: [B, S, V] (any float dtype; the loss is computed in fp32).
@@ -45,7 +49,7 @@ def next_token_loss(
     if loss_mask is not None:
         weight = weight * loss_mask.reshape(-1).float()
     count = weight.sum()
-    return (per_token * weight).sum() / count.clamp_min(1.0), count
+    return divide_token_sum((per_token * weight).sum(), count, where="next_token_loss"), count
 
 
 class LlamaLM(L.LightningModule):

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_v17.config import V17ConfigError
 from lightning_v17.data.packing import IGNORE_INDEX
+from lightning_v17.engine.loss_norm import divide_token_sum
 
 __all__ = ["check_chunk_tokens", "head_detached", "tiled_mlp", "tiled_next_token_loss"]
 
@@ -152,7 +153,7 @@ def tiled_next_token_loss(
     for hc, lc, wc in zip(flat.split(chunk_tokens), lab.split(chunk_tokens), weight.split(chunk_tokens)):
         part = _checkpointed(_chunk_loss, head, hc, lc, wc) if grad else _chunk_loss(head, hc, lc, wc)
         total = part if total is None else total + part
-    return total / count.clamp_min(1.0), count
+    return divide_token_sum(total, count, where="tiled_next_token_loss"), count
 
 
 @contextmanager

@@ -55,9 +55,11 @@ def _fit(rank: int, world: int, name: str, steps: int = STEPS, save: str | None 
 
     class Losses(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            # the rows' token mean from each rank's own: sum(mean_r * targets_r) / sum(targets_r)
+            # the rows' token mean from each rank's own: sum(mean_r * targets_r) / sum(targets_r), or, where the
+            # loss divided by the step's global count (loss_normalization="tokens"), the mean of the ranks' shares
             w = (batch["labels"] != -100).sum().double()
-            num = torch.stack([outputs["loss"].detach().double() * w, w])
+            loss = outputs["loss"].detach().double()
+            num = torch.stack([loss, torch.ones_like(w)] if trainer.strategy.token_normalized() else [loss * w, w])
             torch.distributed.all_reduce(num)
             losses.append(float(num[0] / num[1]))
             if world == 1:  # the rows are packed: more documents start in them than there are rows
@@ -173,7 +175,9 @@ def _fit_hf(rank: int, world: int, name: str) -> dict:
             if shifted is None:  # one process: transformers' own shift of the labels
                 shifted = batch["labels"][:, 1:]
             w = (shifted != -100).sum().double()
-            num = torch.stack([outputs["loss"].detach().double() * w, w])
+            loss = outputs["loss"].detach().double()
+            shares = getattr(trainer.strategy, "token_normalized", lambda: False)()  # V17: the ranks' shares
+            num = torch.stack([loss, torch.ones_like(w)] if shares else [loss * w, w])
             if torch.distributed.is_initialized():
                 torch.distributed.all_reduce(num)
             losses.append(float(num[0] / num[1]))

@@ -4,8 +4,9 @@ z-loss and the aux-loss-free expert bias, against one process on the concatenate
 
 * ``V17Strategy(pp=2, ep=2, zero_stage=1)`` on 4 ranks (each stage on a dp = 2 pair whose ep group dispatches its
   tokens; dp rank 1 starts from other random weights; the 1F1B schedule) and ``V17Strategy(pp=2)`` on 2 ranks (2 rows
-  a micro-batch) under ZB-H1, whose backward runs the input and the weight gradients apart, both in one spawn of 4
-  ranks (ranks 0-1 run the 2-rank job in a process group of their own, then all 4 the other);
+  a micro-batch) under ZB-H1, whose backward runs the input and the weight gradients apart, and under 1F1B with
+  ``accumulate_grad_batches=2`` (each step's rows in 2 batches: the aux gradient takes Lightning's 1/2 too), all in
+  one spawn of 4 ranks (ranks 0-1 run the 2-rank jobs in a process group of their own, then all 4 the other);
 * plain SGD and AdamW with gradient clipping that clips at every step: each step's cross-entropy, each layer's aux
   loss (the micro-batches' weighted 1/M each, averaged over dp), the unclipped global gradient norm and every final
   parameter within 1e-5 of one process, and every expert bias after every step equal to one process's bit for bit.
@@ -29,23 +30,26 @@ import torch
 
 from tests._adamw_parity import assert_params_close, reference_with_amplification
 from tests._dist import spawn
-from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, MOE_ROWS, MOE_SEQ, _moe_loader, _trainer, full, v17
+from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, MOE_ROWS, MOE_SEQ, _moe_loader, _moe_rows, _trainer, full, v17
 
 TOL = 1e-5
 MICRO = 2
 OVERRIDES = {"layers": 2, "dense_layers": 0, "aux_loss_coef": 0.05, "z_loss_coef": 0.01, "expert_bias_rate": 0.01}
-JOBS = {  # name -> (ranks, strategy options, dp)
-    "pp2_ep2_zero1": (4, {"pp": 2, "ep": 2, "zero_stage": 1, "microbatches": MICRO}, 2),
-    "pp2": (2, {"pp": 2, "microbatches": MICRO, "pp_schedule": "zb_h1"}, 1),
+JOBS = {  # name -> (ranks, strategy options, dp, accumulate_grad_batches)
+    "pp2_ep2_zero1": (4, {"pp": 2, "ep": 2, "zero_stage": 1, "microbatches": MICRO}, 2, 1),
+    "pp2": (2, {"pp": 2, "microbatches": MICRO, "pp_schedule": "zb_h1"}, 1, 1),
+    "pp2_accumulate2": (2, {"pp": 2, "microbatches": MICRO}, 1, 2),
 }
 
 
-def fit(opt_name: str, devices: int, strategy, *, dp: int = 1, group=None) -> dict:
+def fit(opt_name: str, devices: int, strategy, *, dp: int = 1, accumulate: int = 1, group=None) -> dict:
     """One run of the MoE LlamaLM; ``devices`` > 1: ranks = pp x dp (dp innermost), this rank's rows those of its
     dp rank. Returns per step the cross-entropy (mean over the dp ranks), each local MoE layer's aux loss and the
     unclipped gradient norm, the layers' load counted in step 1 (summed over dp), the biases after each step, the
-    final parameters gathered whole, and how many forwards carried their aux loss to the backward each step."""
+    final parameters gathered whole, and how many forwards carried their aux loss to the backward each step.
+    ``accumulate`` > 1 (dp = 1): each step's rows in that many batches, the step's cross-entropy their mean."""
     import lightning as L
+    from torch.utils.data import DataLoader
 
     from lightning_v17.models import LlamaLM, moe_layers
 
@@ -53,6 +57,7 @@ def fit(opt_name: str, devices: int, strategy, *, dp: int = 1, group=None) -> di
     dp_rank = rank % dp
     losses, norms, aux_steps, bias_steps, attached_steps, first_load = [], [], [], [], [], {}
     aux_now: dict[str, list[torch.Tensor]] = {}
+    window: list[torch.Tensor] = []
     attached_now: dict[str, int] = {}
 
     def names(pl_module) -> dict:
@@ -90,8 +95,11 @@ def fit(opt_name: str, devices: int, strategy, *, dp: int = 1, group=None) -> di
                 first_load.update({n: dp_sum(m.expert_load, trainer) for m, n in names(pl_module).items()})
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            ce = torch.as_tensor(trainer.callback_metrics["train_loss"]).double()
-            losses.append(float(dp_sum(ce, trainer) / dp))
+            window.append(torch.as_tensor(trainer.callback_metrics["train_loss"]).double())
+            if len(window) < accumulate:
+                return
+            losses.append(float(dp_sum(torch.stack(window).mean(), trainer) / dp))
+            window.clear()
             # the micro-batches' aux losses weighted 1/M each (one process: its one forward), averaged over dp
             aux_steps.append({n: float(dp_sum(torch.stack(v).mean(), trainer) / dp) for n, v in aux_now.items()})
             attached_steps.append(dict(attached_now))
@@ -113,8 +121,13 @@ def fit(opt_name: str, devices: int, strategy, *, dp: int = 1, group=None) -> di
 
     L.seed_everything(0, verbose=False)
     module = LM(model="tiny-moe", model_overrides=OVERRIDES, warmup_steps=0, max_steps=5)
-    trainer = _trainer(devices, strategy, MOE_OPTIMIZERS[opt_name], [Rec()], use_distributed_sampler=False)
-    trainer.fit(module, _moe_loader(devices, dp_rank, dp))
+    trainer = _trainer(devices, strategy, MOE_OPTIMIZERS[opt_name], [Rec()], use_distributed_sampler=False,
+                       accumulate_grad_batches=accumulate)  # fmt: skip
+    if accumulate > 1:
+        loader = DataLoader(_moe_rows(), batch_size=MOE_ROWS // accumulate, shuffle=False)
+    else:
+        loader = _moe_loader(devices, dp_rank, dp)
+    trainer.fit(module, loader)
     return {"losses": losses, "norms": norms, "aux": aux_steps, "biases": bias_steps, "attached": attached_steps,
             "first_load": first_load, "params": {n: full(p) for n, p in module.model.named_parameters()}}  # fmt: skip
 
@@ -127,17 +140,20 @@ def _worker(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     out: dict = {}
-    # the 2-rank job on ranks 0-1, in a process group (and a store) of their own
-    ranks, options, dp = JOBS["pp2"]
-    if rank < ranks:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["SUB_PORT"]), ranks, rank == 0)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
-        os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(ranks)
-        out["pp2"] = {name: fit(name, ranks, v17(**options), dp=dp) for name in MOE_OPTIMIZERS}
+    # the 2-rank jobs on ranks 0-1, in a process group (and a store) of their own
+    if rank < 2:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["SUB_PORT"]), 2, rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = "2"
+    for job, (ranks, options, dp, accumulate) in JOBS.items():
+        if ranks == 2 and rank < 2:
+            out[job] = {name: fit(name, ranks, v17(**options), dp=dp, accumulate=accumulate) for name in MOE_OPTIMIZERS}
+    if rank < 2:
         dist.destroy_process_group()
         os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    ranks, options, dp = JOBS["pp2_ep2_zero1"]
-    out["pp2_ep2_zero1"] = {name: fit(name, ranks, v17(**options), dp=dp) for name in MOE_OPTIMIZERS}
+    for job, (ranks, options, dp, accumulate) in JOBS.items():
+        if ranks == world:
+            out[job] = {name: fit(name, ranks, v17(**options), dp=dp, accumulate=accumulate) for name in MOE_OPTIMIZERS}
     return out
 
 
@@ -185,7 +201,7 @@ def test_balance_terms_inside_pp_match_one_process(results, references, job, opt
         for step, (b, want) in enumerate(zip(got["biases"], ref["biases"])):
             assert torch.equal(b[layer], want[layer]), (rank, step, b[layer], want[layer])
         # every real micro-batch forward, and no shape-inference forward, carries the aux loss to the backward
-        assert got["attached"] == [{layer: MICRO}] * 5, (rank, got["attached"])
+        assert got["attached"] == [{layer: MICRO * JOBS[job][3]}] * 5, (rank, got["attached"])
         for step, (a, want) in enumerate(zip(got["aux"], ref["aux"])):
             assert a[layer] == pytest.approx(want[layer], rel=TOL, abs=1e-7), (rank, step, a, want)
         params.update(got["params"])

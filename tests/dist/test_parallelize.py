@@ -147,12 +147,10 @@ def test_parallelize_refuses_recompute_without_blocks_warns_zero3_and_syncs_repl
 
 
 def test_composition_refusals_before_any_process_group():
-    from lightning_v17.config import PipelinePolicy, TrainingPolicy, V17ConfigError, ZeroPolicy
+    from lightning_v17.config import OffloadPolicy, PipelinePolicy, TrainingPolicy, V17ConfigError, ZeroPolicy
     from lightning_v17.engine.parallelize import check_composition
 
-    with pytest.raises(V17ConfigError, match="zero_stage=1"):
-        check_composition(TrainingPolicy(zero=ZeroPolicy(stage=2), pipeline=PipelinePolicy()), pp=2, tp=1)
-    with pytest.raises(V17ConfigError, match=r"OffloadPolicy\(params='cpu'\)"):
-        from lightning_v17.config import OffloadPolicy
-
+    with pytest.raises(V17ConfigError, match=r"microbatches >= pp stages: microbatches=1 < pp=2"):
+        check_composition(TrainingPolicy(pipeline=PipelinePolicy(schedule="1f1b", microbatches=1)), pp=2, tp=1)
+    with pytest.raises(V17ConfigError, match=r"OffloadPolicy\(params='cpu'\).*needs zero_stage=3"):
         check_composition(TrainingPolicy(zero=ZeroPolicy(stage=1), offload=OffloadPolicy(params="cpu")), pp=1, tp=1)

@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_v17.config import PipelinePolicy, V17ConfigError
 from lightning_v17.config.schedules import schedule_info
+from lightning_v17.engine.loss_norm import current_token_normalizer
 from lightning_v17.engine.pipeline.split import (
     PipelineLayout,
     StageModule,
@@ -135,7 +136,9 @@ class PipelineLoss:
     micro-batch's row indices into the step's batch, which this object holds (:meth:`prepare`).
 
     * Default: token-mean cross-entropy, ``sum(CE(logits, labels) * w) / W`` with ``W`` the weight of the whole
-      batch (labels != -100, times ``loss_mask``), labels shifted by one first when the layout says so.
+      batch (labels != -100, times ``loss_mask``), labels shifted by one first when the layout says so; under a
+      current :class:`~lightning_v17.engine.loss_norm.TokenNormalizer` whose count is ``W``, ``W`` is its
+      ``divisor`` (the step's global target count over the data-parallel ranks and accumulated batches).
     * ``loss_fn(logits, batch)``: called with the micro-batch's logits and its rows of the batch (only real rows,
       never ragged-batch padding; labels as given, unshifted); returns that micro-batch's mean loss, scaled here by
       its share of the real rows so that the step loss is the row-weighted mean.
@@ -154,6 +157,7 @@ class PipelineLoss:
         self._labels: torch.Tensor | None = None
         self._weight: torch.Tensor | None = None
         self._normalizer: torch.Tensor | float = 1.0
+        self._divisor: float | None = None
         self._rows = 0
         #: weigh each micro-batch mean of ``loss_fn`` by its share of the batch's target tokens instead of its rows
         #: (under cp, where each rank's rows hold different numbers of this rank's tokens)
@@ -174,6 +178,10 @@ class PipelineLoss:
         if mask is not None:
             weight = weight * mask.to(torch.float32)
         self._normalizer = weight.sum().clamp_min(1.0)
+        self._divisor = None  # the default loss's divisor: this batch's weight, or the step's global share of it
+        norm = current_token_normalizer() if self.loss_fn is None else None
+        if norm is not None and norm.matches(weight.sum()):
+            norm.used, self._divisor = True, norm.divisor  # engine/loss_norm.py: T / (D k)
         self._row_weight = weight.sum(1)
         self._labels = _pad_rows(labels, padded_rows, -100)
         self._weight = None if mask is None else _pad_rows(weight, padded_rows, 0.0)
@@ -189,7 +197,7 @@ class PipelineLoss:
             else:
                 ce = F.cross_entropy(flat, labels.flatten(), ignore_index=-100, reduction="none")
                 loss = (ce * self._weight[start : start + n].flatten().to(ce.dtype)).sum()
-            out = loss / self._normalizer
+            out = loss / (self._normalizer if self._divisor is None else self._divisor)
         else:
             real = max(0, min(n, self._rows - start))
             if real == 0:  # only ragged-batch padding: no loss, but a graph for the schedule's backward
@@ -239,6 +247,10 @@ class PipelineRuntime:
     #: under cp, the step's context cut to each micro-batch's rows (``CPContext.split_rows``): every stage action on
     #: micro-batch i (forward, backward, the activation recompute inside it) runs with ``cp_contexts[i]`` current
     cp_contexts: list[Any] | None = None
+    #: ``OffloadPolicy(activations=...)``'s offload of the local blocks (``engine/offload/activations.py``): each
+    #: stage forward of micro-batch i runs under its ``micro_batch(i)``, so that its saved tensors form that
+    #: micro-batch's pass
+    activations: Any = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -247,10 +259,6 @@ class PipelineRuntime:
     @property
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
-    #: ``OffloadPolicy(activations=...)``'s offload of the local blocks (``engine/offload/activations.py``): each
-    #: stage forward of micro-batch i runs under its ``micro_batch(i)``, so that its saved tensors form that
-    #: micro-batch's pass
-    activations: Any = None
 
     def enable_trace(self) -> list[tuple[str, int, int, float, float]]:
         """Start recording every stage action and loss call (see :class:`BubbleTimer`); returns the shared list."""
