@@ -60,7 +60,7 @@ def prepare_context_parallel_model(strategy: Any, model: nn.Module, cp: int) -> 
     strategy._token_shift = any(hasattr(hf, "loss_function") for hf in hf_models)  # their loss shifts the labels
     if cp == 1:
         return
-    pp = strategy.policy.pipeline.size
+    pp = strategy.dims.pp
     if hf_models and pp > 1:
         raise V17ConfigError(
             f"cp={cp} with pp={pp} on a Hugging Face model ({type(hf_models[0]).__name__}) is not implemented: the "

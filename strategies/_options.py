@@ -20,7 +20,7 @@ from lightning_v17.config import (
     CPPolicy,
     EPPolicy,
     FP8Policy,
-    MeshSpec,
+    ParallelDims,
     OffloadPolicy,
     PipelinePolicy,
     Recompute,
@@ -153,21 +153,16 @@ def build_fp8_policy(fp8: Any) -> FP8Policy | None:
     return policy
 
 
-def check_axes(policy: TrainingPolicy, *, dp_replicate: int, dp_shard: int | str) -> dict[str, Any]:
-    """Validate the fixed axis sizes now (a typo fails at construction, not after launch); the axes as a dict, the
-    sizes of pp, cp, tp and ep read from ``policy`` (after the config's).
+def parallel_dims(policy: TrainingPolicy, *, dp_replicate: int, dp_shard: int | str) -> ParallelDims:
+    """The axis sizes, once: pp, cp, tp and ep read from ``policy`` (after the config's), validated now (a typo fails
+    at construction, not after launch).
 
     Raises:
         V17ConfigError: a size that is not a positive integer, a bad ``dp_shard``, or an ``ep`` that a
             given ``dp_shard`` is not a multiple of.
     """
-    pp, cp, tp = policy.pipeline.size, policy.context.size, policy.tensor_parallel.size
-    ep = policy.expert.size
-    MeshSpec(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp)
-    if not (dp_shard in ("auto", -1) or (isinstance(dp_shard, int) and dp_shard >= 1)):
-        raise V17ConfigError(f"dp_shard={dp_shard!r} must be a positive integer or 'auto'")
-    MeshSpec(dp_shard=dp_shard if isinstance(dp_shard, int) and dp_shard >= 1 else ep, ep=ep)
-    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
+    return ParallelDims(pp=policy.pipeline.size, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                        cp=policy.context.size, tp=policy.tensor_parallel.size, ep=policy.expert.size)  # fmt: skip
 
 
 def check_hang_timeout(hang_timeout: float | None) -> float | None:

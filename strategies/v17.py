@@ -33,9 +33,9 @@ from lightning_v17.strategies._context import ContextSteps, prepare_context_para
 from lightning_v17.strategies._options import (
     apply_config_to_trainer,
     build_policy,
-    check_axes,
     check_first_batch,
     check_hang_timeout,
+    parallel_dims,
     warn_checkpoint_io,
 )
 from lightning_v17.strategies._tokens import TokenSteps, check_loss_normalization
@@ -132,8 +132,8 @@ class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints
         super().__init__()  # accelerator, devices, cluster environment, checkpoint IO, precision: set by the Trainer
         self.policy = build_policy(zero_stage=zero_stage, activation_checkpointing=activation_checkpointing, tp=tp,
                                    pp=pp, cp=cp, ep=ep, zero=zero, offload=offload, fp8=fp8, config=config)  # fmt: skip
-        self._axes = check_axes(self.policy, dp_replicate=dp_replicate, dp_shard=dp_shard)
-        check_composition(self.policy, **{a: self._axes[a] for a in ("pp", "tp", "ep", "cp", "dp_replicate")})
+        self.dims = parallel_dims(self.policy, dp_replicate=dp_replicate, dp_shard=dp_shard)  # the one axis owner
+        check_composition(self.policy, self.dims)
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._hang_timeout = check_hang_timeout(hang_timeout)
         self._watchdog: StepWatchdog | None = None
@@ -237,7 +237,7 @@ class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints
 
     def resolve_mesh(self, world_size: int) -> MeshSpec:
         """The mesh sizes for ``world_size`` ranks (``dp_shard="auto"`` resolved); raises a clear error on mismatch."""
-        return MeshSpec.resolve(world_size, **self._axes)
+        return self.dims.mesh(world_size)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

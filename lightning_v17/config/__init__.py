@@ -25,7 +25,7 @@ from lightning_v17.config.enums import (
 )
 from lightning_v17.config.errors import V17ConfigError, parse_enum
 from lightning_v17.config.fp8 import FP8Backend, FP8Policy, FP8Recipe
-from lightning_v17.config.mesh_spec import AXIS_ORDER, MeshSpec, check_tp_divides, divisors
+from lightning_v17.config.mesh_spec import AXIS_ORDER, MeshSpec, ParallelDims, check_tp_divides, divisors
 from lightning_v17.config.policies import (
     CPPolicy,
     EPPolicy,
@@ -53,6 +53,7 @@ __all__ = [
     "HostMemory",
     "LossScalePolicy",
     "MeshSpec",
+    "ParallelDims",
     "OffloadPolicy",
     "OptimizerKind",
     "PipelinePolicy",

@@ -1,4 +1,10 @@
-"""The 5-axis mesh sizes as one frozen, validated :class:`MeshSpec` (the DeviceMesh is built in ``lightning_v17.mesh``)."""
+"""The axis sizes, owned by one object: :class:`ParallelDims` as given (``dp_shard`` may wait for the world size),
+:class:`MeshSpec` once resolved against the world size (the DeviceMesh is built from it in ``lightning_v17.mesh``).
+
+The strategy builds one ``ParallelDims`` from its arguments; the composition rules (``config/rules.py``), the planner
+and ``engine/parallelize.py`` read the sizes from it (or from the ``MeshSpec`` it resolves to, which is a
+``ParallelDims`` too), never from the policies or from a dict of their own.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +24,57 @@ def _check_positive_int(name: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
-class MeshSpec:
-    """Sizes of the five mesh axes. The product is the world size.
+class ParallelDims:
+    """The sizes of the parallel axes, given once (torchtitan's ``ParallelDims``): what the rules, the planner and
+    ``parallelize`` read. ``dp_shard`` may be ``"auto"`` until the world size is known (:meth:`mesh`).
 
-    Build it with concrete sizes, or let :meth:`resolve` fill in ``dp_shard`` from the world size. The object is
-    immutable: "auto" is resolved by the classmethod, never by mutation.
+    Args:
+        pp: pipeline-parallel stages.
+        dp_replicate: replicated data-parallel groups (HSDP's outer axis).
+        dp_shard: sharded data-parallel ranks, or ``"auto"`` (the world size over the other axes).
+        cp: context-parallel size.
+        tp: tensor-parallel size.
+        ep: expert-parallel size, folded out of ``dp_shard`` (:class:`MeshSpec`).
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int | str = "auto"
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp_replicate", "cp", "tp", "ep"):
+            _check_positive_int(name, getattr(self, name))
+        if self.dp_shard == -1:
+            object.__setattr__(self, "dp_shard", "auto")
+        if self.dp_shard != "auto":
+            if not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 1:
+                raise V17ConfigError(f"dp_shard={self.dp_shard!r} must be a positive integer or 'auto'")
+            if self.dp_shard % self.ep:
+                raise V17ConfigError(
+                    f"ep={self.ep} is folded out of the dp_shard={self.dp_shard} data-parallel ranks and must divide "
+                    f"it; choose ep in {divisors(self.dp_shard)} or raise dp_shard"
+                )
+
+    def mesh(self, world_size: int) -> MeshSpec:
+        """These sizes against ``world_size``: ``dp_shard="auto"`` resolved, the product checked.
+
+        Raises:
+            V17ConfigError: the fixed axes do not divide the world size, or the product differs from it.
+        """
+        return MeshSpec.resolve(world_size, pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                                cp=self.cp, tp=self.tp, ep=self.ep)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MeshSpec(ParallelDims):
+    """Sizes of the five mesh axes, resolved: a :class:`ParallelDims` whose ``dp_shard`` is a number. The product is
+    the world size.
+
+    Build it with concrete sizes, or let :meth:`resolve` (or :meth:`ParallelDims.mesh`) fill in ``dp_shard`` from the
+    world size. The object is immutable: "auto" is resolved by the classmethod, never by mutation.
 
     Args:
         pp: pipeline-parallel stages (outermost axis).
@@ -37,12 +89,7 @@ class MeshSpec:
             dp_replicate x efsdp`` ranks. Not a factor of the world size. ``ep`` must divide ``dp_shard``.
     """
 
-    pp: int = 1
-    dp_replicate: int = 1
     dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -16,33 +16,46 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_v17.config.errors import V17ConfigError
+from lightning_v17.config.mesh_spec import ParallelDims
 
 __all__ = ["RULES", "Layout", "Rule", "check", "option_text", "violations"]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What the rules look at: the parsed policy and the fixed axis sizes.
+    """What the rules look at: the parsed policy and the axis sizes.
 
     Attributes:
         policy: the :class:`~lightning_v17.config.TrainingPolicy`.
-        pp: pipeline stages.
-        tp: tensor-parallel size.
-        ep: expert-parallel size (folded out of dp_shard).
-        cp: context-parallel size.
-        dp_replicate: replicated data-parallel groups (HSDP's outer axis).
+        dims: the axis sizes (:class:`~lightning_v17.config.ParallelDims`, or the ``MeshSpec`` it resolved to).
     """
 
     policy: Any
-    pp: int = 1
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
-    dp_replicate: int = 1
+    dims: ParallelDims = field(default_factory=ParallelDims)
 
     @property
     def stage(self) -> int:
         return self.policy.zero.stage
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dims.dp_replicate
 
 
 @dataclass(frozen=True)
@@ -90,35 +103,6 @@ def option_text(option: str, value: Any = ...) -> str:
 _AXIS_POLICIES: dict[str, tuple[str, str]] = {
     "TPPolicy": ("tensor_parallel", "tp"), "PipelinePolicy": ("pipeline", "pp"),
 }  # fmt: skip
-
-
-def _axes_not_together(axis: str, other: str, why: str) -> Rule:
-    """``axis`` > 1 beside ``other`` > 1 is not built yet (``why`` says what is missing)."""
-    return Rule(
-        name=f"{axis}_without_{other}",
-        options=(axis, other),
-        violated=lambda lay: getattr(lay, axis) > 1 and getattr(lay, other) > 1,
-        message=lambda lay: (
-            f"{axis}={getattr(lay, axis)} with {other}={getattr(lay, other)} is not implemented yet ({why})"
-        ),
-        fix=f"use {axis} with {other}=1, or {axis}=1",
-        example={axis: 2, other: 2, "zero_stage": 1},
-    )
-
-
-def _without_sequence_parallel(axis: str, why: str, fix_note: str = "") -> Rule:
-    """``axis`` > 1 beside tp > 1 with sequence parallelism is not built yet (``why`` says what is missing)."""
-    return Rule(
-        name=f"{axis}_without_sequence_parallel",
-        options=(axis, "TPPolicy.sequence_parallel"),
-        violated=lambda lay: getattr(lay, axis) > 1 and lay.tp > 1 and lay.policy.tensor_parallel.sequence_parallel,
-        message=lambda lay: (
-            f"{axis}={getattr(lay, axis)} with tp={lay.tp} and TPPolicy(sequence_parallel=True) is not implemented "
-            f"yet: {why}"
-        ),
-        fix=f"use {axis} with sequence_parallel=False{fix_note}, or {axis}=1",
-        example={axis: 2, "zero_stage": 1, "tp": {"size": 2, "sequence_parallel": True}},
-    )
 
 
 def _needs_axis(option: str) -> Rule:
@@ -220,12 +204,12 @@ def violations(layout: Layout) -> list[tuple[Rule, str]]:
     return [(rule, rule.text(layout)) for rule in RULES if rule.violated(layout)]
 
 
-def check(policy: Any, *, pp: int = 1, tp: int = 1, ep: int = 1, cp: int = 1, dp_replicate: int = 1) -> None:
+def check(policy: Any, dims: ParallelDims) -> None:
     """Raise for the first rule the policy and axis sizes violate.
 
     Raises:
         V17ConfigError: the rule's message and fix, naming the options.
     """
-    found = violations(Layout(policy, pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate))
+    found = violations(Layout(policy, dims))
     if found:
         raise V17ConfigError(found[0][1])

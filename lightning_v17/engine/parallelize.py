@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_v17.config import FP8Recipe, Recompute, Tier, TrainingPolicy, V17ConfigError
+from lightning_v17.config import FP8Recipe, ParallelDims, Recompute, Tier, TrainingPolicy, V17ConfigError
 from lightning_v17.config.rules import check as check_rules
 from lightning_v17.engine._dtensor import local as _local
 from lightning_v17.engine.ep.apply import ExpertParallel, apply_expert_parallel, check_pipeline_moe, is_expert_param
@@ -84,16 +84,16 @@ class Parallelized:
     activations: Any = None
 
 
-def check_composition(
-    policy: TrainingPolicy, *, pp: int, tp: int, ep: int = 1, cp: int = 1, dp_replicate: int = 1
-) -> None:
+def check_composition(policy: TrainingPolicy, dims: ParallelDims) -> None:
     """The combinations of options that cannot work, refused before any process touches the model: every rule of
-    :mod:`lightning_v17.config.rules`, then the pipeline schedule's own limits.
+    :mod:`lightning_v17.config.rules` on ``dims`` (the axis sizes: the strategy's ``ParallelDims``, or the mesh's
+    ``MeshSpec``), then the pipeline schedule's own limits.
 
     Raises:
         V17ConfigError: naming the option and the fix.
     """
-    check_rules(policy, pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate)
+    check_rules(policy, dims)
+    pp = dims.pp
     if pp > 1:
         from lightning_v17.config.schedules import schedule_info
 
@@ -313,7 +313,7 @@ def parallelize(
         done.activations = _activation_offload(done.units, policy, device, done.activations, done.pipeline)
         return done
     spec = mesh.spec
-    check_composition(policy, pp=spec.pp, tp=spec.tp, ep=spec.ep, cp=spec.cp, dp_replicate=spec.dp_replicate)
+    check_composition(policy, spec)
     if spec.pp > 1 and pp_layout is None:
         raise V17ConfigError(
             f"pp={spec.pp} needs to know where to cut {type(module).__name__}: models shaped embedding -> blocks -> "

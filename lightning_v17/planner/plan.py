@@ -14,6 +14,7 @@ from dataclasses import astuple, dataclass, field, replace
 from lightning_v17.config import (
     CPMode,
     FP8Recipe,
+    MeshSpec,
     OptimizerKind,
     PipelinePolicy,
     Precision,
@@ -39,12 +40,11 @@ from lightning_v17.planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 @dataclass(frozen=True)
 class Layout:
-    """A fully resolved layout: every size concrete, the ZeRO stage a :class:`~lightning_v17.config.ZeroPolicy`."""
+    """A fully resolved layout: every size concrete (``dims``, the same :class:`~lightning_v17.config.MeshSpec` the
+    strategy resolves, with the data-parallel ranks as ``dp_shard``), the ZeRO stage a
+    :class:`~lightning_v17.config.ZeroPolicy`."""
 
-    tp: int
-    pp: int
-    dp: int
-    cp: int
+    dims: MeshSpec
     sp: bool
     zero: ZeroPolicy
     recompute: Recompute
@@ -59,8 +59,6 @@ class Layout:
     offload_optimizer: Tier
     offload_params: Tier
     fp8: FP8Recipe | None = None
-    #: expert-parallel size, folded out of the data-parallel ranks (not a factor of ``gpus``)
-    ep: int = 1
     #: the cp attention scheme, resolved (``ulysses`` or ``allgather``); None at cp = 1
     cp_mode: CPMode | None = None
     #: where the blocks' saved activations go between forward and backward, and the blocks that stay
@@ -68,13 +66,34 @@ class Layout:
     resident_blocks: int = 1
 
     @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size, folded out of the data-parallel ranks (not a factor of ``gpus``)."""
+        return self.dims.ep
+
+    @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
+        return self.dims.world_size
 
     @property
     def efsdp(self) -> int:
         """The experts' ZeRO group: the data-parallel ranks that hold the same experts (``dp / ep``)."""
-        return self.dp // self.ep
+        return self.dims.efsdp
 
     @property
     def params_tier(self) -> Tier:
@@ -333,10 +352,11 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
         # the engine decides on the heads of one tp rank (cp runs on what tp left)
         cp_mode = comm_.choose_cp_mode(train.cp_mode, cp=cp, heads=model.shape.heads // tp,
                                        kv_heads=max(1, model.shape.kv_heads // tp))[0]
-    return Layout(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, schedule=schedule,
-                  virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
+    moe_.check_ep(ep, dp_shard=dp, num_experts=model.shape.num_experts if model.shape is not None else 0)
+    return Layout(dims=MeshSpec(tp=tp, pp=pp, dp_shard=dp, cp=cp, ep=ep), sp=sp, zero=zero, recompute=recompute,
+                  schedule=schedule, virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
                   optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
-                  offload_params=train.offload_params, fp8=train.fp8, ep=ep, cp_mode=cp_mode,
+                  offload_params=train.offload_params, fp8=train.fp8, cp_mode=cp_mode,
                   offload_activations=train.offload_activations, resident_blocks=train.resident_blocks)
 
 
@@ -348,7 +368,6 @@ def _validate(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
                              ffn=shape.ffn)
         if layout.pp > shape.layers:
             raise V17ConfigError(f"pp={layout.pp} exceeds layers={shape.layers}; use pp <= {shape.layers}")
-    moe_.check_ep(layout.ep, dp_shard=layout.dp, num_experts=shape.num_experts if shape is not None else 0)
     if layout.seq % layout.cp != 0:
         raise V17ConfigError(f"cp={layout.cp} must divide seq={layout.seq}")
     if layout.offload_activations != Tier.NONE:
@@ -508,9 +527,8 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     mtbf_s = res.cluster_mtbf_s(cluster.node_mtbf_hours * 3600.0, nodes)
 
     warnings = recipes.anti_pattern_warnings(
-        tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, sp=lay.sp, zero=lay.zero, gpus_per_node=gpn,
-        microbatches=lay.microbatches, offload_params=lay.offload_params, offload_optimizer=lay.offload_optimizer,
-        fp8=lay.fp8, ep=lay.ep,
+        lay.dims, sp=lay.sp, zero=lay.zero, gpus_per_node=gpn, microbatches=lay.microbatches,
+        offload_params=lay.offload_params, offload_optimizer=lay.offload_optimizer, fp8=lay.fp8,
     )  # fmt: skip
     if act_offload is not None and not act_offload.hides:
         warnings.append(act_offload.warning())

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_v17.config import (
+    MeshSpec,
+    ParallelDims,
     FP8Policy,
     FP8Recipe,
     OffloadPolicy,
@@ -197,16 +199,13 @@ def _headline(rule: Rule, values: dict[str, object]) -> str:
 
 
 def rule_warnings(
+    dims: ParallelDims,
     *,
     zero: ZeroPolicy,
-    pp: int,
-    tp: int,
     sp: bool = False,
     offload_optimizer: Tier = Tier.NONE,
     offload_params: Tier = Tier.NONE,
     fp8: FP8Recipe | None = None,
-    ep: int = 1,
-    cp: int = 1,
 ) -> list[str]:
     """The rules of :mod:`lightning_v17.config.rules` the layout violates, each with the table's message and fix:
     what ``V17Strategy`` would refuse to build (the planner still plans it, and warns)."""
@@ -215,19 +214,16 @@ def rule_warnings(
                             nvme_path=_PLANNED_NVME_PATH if Tier.NVME in tiers else None)  # fmt: skip
     policy = TrainingPolicy(zero=zero, offload=offload, tensor_parallel=TPPolicy(sequence_parallel=bool(sp)),
                             fp8=None if fp8 is None else FP8Policy(recipe=fp8))  # fmt: skip
-    values = {"pp": pp, "tp": tp, "zero_stage": zero.stage, "OffloadPolicy.params": offload.params.value,
-              "fp8": None if fp8 is None else FP8Recipe(fp8).value, "TPPolicy.sequence_parallel": bool(sp), "ep": ep,
-              "cp": cp}  # fmt: skip
-    found = violations(RulesLayout(policy, pp=pp, tp=tp, ep=ep, cp=cp))
+    values = {"pp": dims.pp, "tp": dims.tp, "zero_stage": zero.stage, "OffloadPolicy.params": offload.params.value,
+              "fp8": None if fp8 is None else FP8Recipe(fp8).value, "TPPolicy.sequence_parallel": bool(sp),
+              "ep": dims.ep, "cp": dims.cp}  # fmt: skip
+    found = violations(RulesLayout(policy, dims))
     return [f"{_headline(rule, values)}: {text}" for rule, text in found]
 
 
 def anti_pattern_warnings(
+    dims: MeshSpec,
     *,
-    tp: int,
-    pp: int,
-    dp: int,
-    cp: int,
     sp: bool,
     zero: ZeroPolicy,
     gpus_per_node: int,
@@ -235,12 +231,12 @@ def anti_pattern_warnings(
     offload_params: Tier = Tier.NONE,
     offload_optimizer: Tier = Tier.NONE,
     fp8: FP8Recipe | None = None,
-    ep: int = 1,
 ) -> list[str]:
     """Warnings for the layout: the composition rules it violates (:func:`rule_warnings`), then its anti-patterns
     (design §17.5, §10.7). Each names the fix."""
-    warnings = rule_warnings(zero=zero, pp=pp, tp=tp, sp=sp, offload_optimizer=offload_optimizer,
-                             offload_params=offload_params, fp8=fp8, ep=ep, cp=cp)  # fmt: skip
+    warnings = rule_warnings(dims, zero=zero, sp=sp, offload_optimizer=offload_optimizer,
+                             offload_params=offload_params, fp8=fp8)  # fmt: skip
+    tp, pp, cp, dp = dims.tp, dims.pp, dims.cp, dims.dp
     if tp > gpus_per_node:
         warnings.append(
             f"TP across nodes: tp={tp} > gpus_per_node={gpus_per_node}; TP's per-layer all-reduces need NVLink, "

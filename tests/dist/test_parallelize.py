@@ -14,6 +14,9 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("zero3", "recompute"),)
+
 pytest.importorskip("transformers")
 
 RTOL = 1e-5
@@ -147,10 +150,13 @@ def test_parallelize_refuses_recompute_without_blocks_warns_zero3_and_syncs_repl
 
 
 def test_composition_refusals_before_any_process_group():
-    from lightning_v17.config import OffloadPolicy, PipelinePolicy, TrainingPolicy, V17ConfigError, ZeroPolicy
+    from lightning_v17.config import OffloadPolicy, ParallelDims, PipelinePolicy, TrainingPolicy, V17ConfigError
+    from lightning_v17.config import ZeroPolicy
     from lightning_v17.engine.parallelize import check_composition
 
+    one_f_one_b = TrainingPolicy(pipeline=PipelinePolicy(schedule="1f1b", microbatches=1))
     with pytest.raises(V17ConfigError, match=r"microbatches >= pp stages: microbatches=1 < pp=2"):
-        check_composition(TrainingPolicy(pipeline=PipelinePolicy(schedule="1f1b", microbatches=1)), pp=2, tp=1)
+        check_composition(one_f_one_b, ParallelDims(pp=2))
+    offload = TrainingPolicy(zero=ZeroPolicy(stage=1), offload=OffloadPolicy(params="cpu"))
     with pytest.raises(V17ConfigError, match=r"OffloadPolicy\(params='cpu'\).*needs zero_stage=3"):
-        check_composition(TrainingPolicy(zero=ZeroPolicy(stage=1), offload=OffloadPolicy(params="cpu")), pp=1, tp=1)
+        check_composition(offload, ParallelDims())

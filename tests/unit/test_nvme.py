@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from lightning_v17.config import OffloadPolicy, Tier, V17ConfigError
+from lightning_v17.config import OffloadPolicy, ParallelDims, Tier, V17ConfigError
 from lightning_v17.engine.offload.nvme import NvmeFileSet, ThreadPoolIO, check_nvme_path, free_margin_bytes
 from lightning_v17.engine.offload.tier_io import open_io
 from tests.unit.test_nvme_aio import fs_type
@@ -242,9 +242,9 @@ def test_param_offload_refused_before_training(tmp_path) -> None:
     s = V17Strategy(zero_stage=3, offload=OffloadPolicy(params="nvme", nvme_path=str(tmp_path)))
     assert s.policy.offload.params == Tier.NVME and s.policy.offload.optimizer == Tier.NONE
     offload = OffloadPolicy(params="nvme", nvme_path=str(tmp_path))
-    check_composition(TrainingPolicy(offload=offload), pp=1, tp=1)  # accepted
+    check_composition(TrainingPolicy(offload=offload), ParallelDims())  # accepted
     with pytest.raises(V17ConfigError, match=r"OffloadPolicy\(params='nvme'\) with fp8 is not implemented yet"):
-        check_composition(TrainingPolicy(offload=offload, fp8=FP8Policy()), pp=1, tp=1)
+        check_composition(TrainingPolicy(offload=offload, fp8=FP8Policy()), ParallelDims())
     assert not list(tmp_path.iterdir())  # construction creates no files
 
 

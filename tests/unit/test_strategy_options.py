@@ -73,8 +73,8 @@ def test_policy_objects_and_their_dicts_are_accepted_and_the_shortcuts_equal_the
     )  # fmt: skip
     assert objs.policy == dicts.policy
     assert objs.policy.zero.stage == 1 and objs.policy.pipeline.schedule == Schedule.GPIPE
-    assert objs._axes["pp"] == 2 and _strategy(zero_stage=1, pp=2).policy.pipeline == PipelinePolicy(size=2)
-    assert _strategy(tp=TPPolicy(size=2, sequence_parallel=True), zero_stage=1)._axes["tp"] == 2
+    assert objs.dims.pp == 2 and _strategy(zero_stage=1, pp=2).policy.pipeline == PipelinePolicy(size=2)
+    assert _strategy(tp=TPPolicy(size=2, sequence_parallel=True), zero_stage=1).dims.tp == 2
     with pytest.raises(V17ConfigError, match=r"tp='2' must be a positive integer \(its size\) or TPPolicy"):
         _strategy(tp="2")
     with pytest.raises(V17ConfigError, match="pp=0 must be a positive integer"):
@@ -219,7 +219,7 @@ def test_cp_takes_its_size_or_its_policy_and_refuses_what_is_not_built():
     from lightning_v17.config import CPBalance, CPMode, CPPolicy
 
     s = _strategy(cp={"size": 2, "mode": "allgather", "balance": "packed"})
-    assert s._axes["cp"] == 2 and s.policy.context == CPPolicy(size=2, mode="allgather", balance="packed")
+    assert s.dims.cp == 2 and s.policy.context == CPPolicy(size=2, mode="allgather", balance="packed")
     assert (s.policy.context.mode, s.policy.context.balance) == (CPMode.ALLGATHER, CPBalance.PACKED)
     assert _strategy(cp=2).policy.context == CPPolicy(size=2)  # auto scheme, head-tail chunks
     with pytest.raises(V17ConfigError, match=r"CPPolicy\(mode='ring'\) \(ring attention\) is not built"):
@@ -235,7 +235,7 @@ def test_ep_takes_its_size_or_its_policy():
     from lightning_v17.config import Dispatcher, EPPolicy
 
     s = _strategy(ep={"size": 2, "dispatcher": "allgather"})
-    assert s._axes["ep"] == 2 and s.policy.expert == EPPolicy(size=2, dispatcher=Dispatcher.ALLGATHER)
+    assert s.dims.ep == 2 and s.policy.expert == EPPolicy(size=2, dispatcher=Dispatcher.ALLGATHER)
     assert _strategy(ep=2).policy.expert == EPPolicy(size=2)  # all-to-all by default
     with pytest.raises(V17ConfigError, match=r"EPPolicy\(dispatcher='flex'\) is not supported"):
         EPPolicy(size=2, dispatcher="flex")

@@ -62,8 +62,8 @@ optimizer). ``offload_optimizer`` does not move them.
 
 Limits of this version (each refused with a clear error before training): parameters on an accelerator (the
 host bounce buffer and stream ordering are not implemented), ``fp8`` (its scales read weights after the step),
-and an int ``reshard_after_forward`` (pp > 1 runs ZeRO-0/1 only). At teardown every shard is copied back into memory
-of its own and the files are removed: after ``fit`` the model is an ordinary FSDP2 model again.
+and an int ``reshard_after_forward`` (a partial reshard to a smaller group). At teardown every shard is copied back
+into memory of its own and the files are removed: after ``fit`` the model is an ordinary FSDP2 model again.
 """
 
 from __future__ import annotations
