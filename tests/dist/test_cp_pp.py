@@ -22,6 +22,9 @@ import pytest
 from tests._dist import spawn
 from tests._strategy import PACKED_CLIP, STEPS, fit_packed, packed_docs
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("pp", "cp", "zero1"), ("pp", "cp", "zero1", "recompute"))
+
 TOL = 1e-5
 CASES = {  # name -> (optimizers, V17Strategy kwargs)
     "gpipe_ulysses": (("sgd", "adamw"), {"pp": {"size": 2, "schedule": "gpipe", "microbatches": 2},

@@ -20,6 +20,9 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("cp", "zero3"), ("cp", "zero1"), ("cp", "recompute", "zero3"))
+
 STEPS, TOL = 4, 1e-5
 RUNS = {
     "ref": (1, {"zero_stage": 3}),

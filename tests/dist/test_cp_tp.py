@@ -28,6 +28,9 @@ import torch
 from tests._dist import spawn
 from tests._strategy import PACKED_CLIP, STEPS, fit_packed, packed_docs
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("cp", "tp", "zero3"), ("cp", "sp", "zero3"))
+
 TOL = 1e-5
 SEQ = 32  # fit_packed's row length
 CASES = {  # name -> V17Strategy kwargs of the 4-rank run

@@ -25,6 +25,9 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("ep", "zero1", "moe_balance"), ("ep", "zero3", "moe_balance"))
+
 STEPS = 5
 LR = 0.1
 TOL = 1e-5

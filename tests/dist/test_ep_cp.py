@@ -30,6 +30,9 @@ from tests._dist import spawn
 from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe
 from tests.dist.test_ep_tp_sp import _count_expert_rows
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("ep", "cp", "zero1", "moe_balance"),)
+
 TOL = 1e-5
 OVERRIDES = {"layers": 2, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "expert_bias_rate": 0.01,
              "capacity_factor": 1.0, "shared_experts": 1}  # fmt: skip

@@ -23,6 +23,10 @@ from tests._adamw_parity import assert_params_close, reference_with_amplificatio
 from tests._dist import spawn
 from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("ep", "zero1", "moe_balance"), ("ep", "zero2", "moe_balance"),
+            ("ep", "zero3", "moe_balance"), ("ep", "offload_optimizer", "zero2", "moe_balance"))  # fmt: skip
+
 TOL = 1e-5
 OVERRIDES = {"layers": 2, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "expert_bias_rate": 0.01}
 STAGES = (1, 2, 3)

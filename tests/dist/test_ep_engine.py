@@ -17,6 +17,12 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("ep", "zero1"), ("ep", "zero2"), ("ep", "zero3"), ("ep", "dp_replicate", "zero1"),
+            ("ep", "dp_replicate", "zero2"), ("ep", "dp_replicate", "zero3"),
+            ("ep", "offload_optimizer", "zero1"), ("ep", "offload_optimizer", "zero2"),
+            ("ep", "offload_optimizer", "zero3"))  # fmt: skip
+
 E, H, INTER, TOPK, VOCAB = 4, 16, 8, 2, 32
 CASES = [(opt, stage) for opt in ("sgd", "adamw_clip") for stage in (0, 1, 2, 3)]
 #: (optimizer, stage, tier) with the optimizer state offloaded, run in the ep=2 x edp=2 spawn

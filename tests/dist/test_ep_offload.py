@@ -27,6 +27,9 @@ from tests._adamw_parity import assert_params_close, reference_with_amplificatio
 from tests._dist import spawn
 from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("ep", "offload_params", "zero3", "moe_balance"),)
+
 TOL = 1e-5
 OVERRIDES = {"layers": 2, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "expert_bias_rate": 0.01}
 TIERS = ("cpu", "nvme")

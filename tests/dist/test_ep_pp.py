@@ -25,6 +25,9 @@ from tests._adamw_parity import assert_params_close, reference_with_amplificatio
 from tests._dist import spawn
 from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe, v17
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("pp", "ep", "zero1"),)
+
 TOL = 1e-5
 OVERRIDES = {"layers": 2, "dense_layers": 0}
 STRATEGY = {"pp": 2, "ep": 2, "zero_stage": 1, "microbatches": 2}

@@ -29,6 +29,11 @@ from tests._adamw_parity import assert_params_close, reference_with_amplificatio
 from tests._dist import spawn
 from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, fit_moe
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("ep", "sp", "zero1", "moe_balance"),)
+#: the published layouts this file runs in miniature, name -> the miniature (optional)
+PUBLISHED = {"Megatron-Core MoE EP x TP+SP": "ep2 x tp2+SP at ZeRO-1, the balance terms on"}
+
 TOL = 1e-5
 # capacity 1.0: ceil(16 * 2 / 4) = 8 assignments per sequence and expert, so some are dropped at random init
 OVERRIDES = {"layers": 2, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "expert_bias_rate": 0.01,

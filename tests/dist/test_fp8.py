@@ -28,6 +28,9 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("fp8", "zero1"), ("fp8", "zero3"))
+
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 

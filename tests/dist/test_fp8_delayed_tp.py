@@ -23,6 +23,9 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("fp8", "tp"),)
+
 # Against one process. A last-bit difference of a row-parallel partial sum can move a value across a float8 rounding
 # boundary of the next cast (e4m3: 3 mantissa bits), and 10 Adam steps carry it on: up to 2.95e-3 relative
 # (tok_embeddings.weight, zero_stage=3) on an Intel Xeon with torch's AVX512/AMX kernels, under 1e-5 on an AVX2

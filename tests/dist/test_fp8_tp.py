@@ -22,6 +22,9 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("fp8", "tp"),)
+
 pytest.importorskip("torchao")
 
 # Against one process. A last-bit difference of a row-parallel partial sum can move a value across a float8 rounding

@@ -31,6 +31,9 @@ from torch import nn
 from tests._dist import spawn
 from tests._models import HF_MOE_FAMILIES, stable_sort
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("ep", "zero1"), ("ep", "zero3"))
+
 pytest.importorskip("transformers")
 
 STEPS, LR = 6, 0.5

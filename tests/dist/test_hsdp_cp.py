@@ -26,6 +26,12 @@ import pytest
 from tests._dist import spawn
 from tests._strategy import PACKED_ADAMW, STEPS, full
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("dp_replicate", "cp", "zero1"), ("dp_replicate", "cp", "zero2"),
+            ("dp_replicate", "cp", "zero3"))  # fmt: skip
+#: the published layouts this file runs in miniature, name -> the miniature (optional)
+PUBLISHED = {"torchtitan HSDP + CP": "dp_replicate2 x cp2 at ZeRO-1, 2 and 3 (ZeRO over dp_shard x cp)"}
+
 TOL = 1e-5
 SEQ, ROWS = 32, 4  # the reference's rows per step; each dp replica gets ROWS // 2
 CLIP = 0.5

@@ -21,6 +21,9 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("accumulation", "zero1"), ("dp_replicate", "zero3"), ("ep", "pp", "zero1"))
+
 STEPS, SEQ, ROWS = 5, 16, 2  # ROWS: rows per rank and micro-batch
 TOL = 1e-5
 CASES = {  # name -> (world, dp, accumulate, model, V17Strategy kwargs)

@@ -32,6 +32,12 @@ from tests._adamw_parity import assert_params_close, reference_with_amplificatio
 from tests._dist import spawn
 from tests._strategy import MOE_CLIP, MOE_OPTIMIZERS, MOE_ROWS, MOE_SEQ, _moe_loader, _moe_rows, _trainer, full, v17
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("pp", "ep", "zero1", "moe_balance"), ("pp", "moe_balance", "accumulation"))
+#: the published layouts this file runs in miniature, name -> the miniature (optional)
+PUBLISHED = {"DeepSeek-V3 PP x EP x ZeRO-1, both balance terms": (
+    "pp2 x ep2 at ZeRO-1, the sequence-wise balance loss (aux_loss) and the aux-loss-free bias (expert_bias_rate)")}
+
 TOL = 1e-5
 MICRO = 2
 OVERRIDES = {"layers": 2, "dense_layers": 0, "aux_loss_coef": 0.05, "z_loss_coef": 0.01, "expert_bias_rate": 0.01}

@@ -47,6 +47,10 @@ from tests.dist.test_optim_library import (
 )
 from tests.dist.test_zero_parity import PER_RANK_BATCH, STEPS, WORLD, _full_params, _lit_cls, make_data, make_model
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("offload_optimizer", "zero1"), ("offload_optimizer", "zero2"),
+            ("offload_optimizer", "zero3"))  # fmt: skip
+
 pytestmark = pytest.mark.timeout(400)
 
 NAMES = ("adamw", "cpu_adam", "adafactor", "lion", "adam8bit")

@@ -48,6 +48,9 @@ from tests.dist.test_zero_parity import (
     reference,
 )
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("offload_params", "zero3"), ("offload_params", "offload_optimizer", "zero3"))
+
 pytestmark = pytest.mark.timeout(300)
 
 #: set to 1 to run this matrix (~2 min on 2 idle cores, 5 on a loaded one). ``make test`` runs the quick cases in

@@ -27,6 +27,9 @@ from tests.dist.test_tp import (
     token_mean_loss,
 )
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("pp", "zero1"), ("sp", "zero3"), ("pp", "sp"))
+
 
 def _batches(dp: int, seed: int) -> list[list[dict]]:
     return [[packed_batch(seed + 10 * s + d) for d in range(dp)] for s in range(STEPS)]

@@ -30,6 +30,9 @@ from tests._dist import spawn
 from tests._strategy import STEPS
 from tests.dist.test_pp_zero23 import CLIP, OPTS, _fit
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("pp", "offload_activations", "zero1"), ("pp", "offload_activations", "zero3", "recompute"))
+
 TOL = 1e-5
 LAYERS = 4
 OFFLOAD = {"activations": "nvme", "activation_min_kb": 4, "resident_blocks": 1}

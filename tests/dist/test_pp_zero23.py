@@ -31,6 +31,11 @@ import pytest
 from tests._dist import spawn
 from tests._strategy import PACKED_ADAMW, STEPS, full
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("pp", "zero2"), ("pp", "zero3"), ("pp", "ep", "zero3"))
+#: the published layouts this file runs in miniature, name -> the miniature (optional)
+PUBLISHED = {"torchtitan PP + FSDP": "pp2 x dp_shard2 at ZeRO-3 (and ZeRO-2)"}
+
 TOL = 1e-5
 SEQ, ROWS, CLIP = 32, 4, 0.5
 OPTS = ("sgd", "adamw_clip")

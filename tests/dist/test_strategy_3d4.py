@@ -21,6 +21,10 @@ import torch
 from tests._dist import spawn
 from tests.dist.test_strategy_tp_pp import STEPS, _fit
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("tp", "zero3"), ("pp", "zero1"), ("pp", "tp"), ("pp", "tp", "zero1"),
+            ("dp_replicate", "tp", "zero3"))  # fmt: skip
+
 CLIP = 11.0  # 1-process pre-clip norms at this threshold: 13.7 (clips), 8.1 (does not), 5.7 (its update is unseen)
 
 CASES4 = {

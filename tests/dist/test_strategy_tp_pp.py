@@ -14,6 +14,9 @@ import torch
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("pp", "accumulation"), ("sp", "loss_parallel"))
+
 SEQ, STEPS, CLIP, LR = 16, 3, 0.5, 2.0
 CASES = {
     "pp2_zero1": {"pp": 2, "zero_stage": 1, "microbatches": 2},

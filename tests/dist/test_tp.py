@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("sp", "loss_parallel"),)
+
 RTOL = 1e-5  # fp32 parity tolerance (DESIGN.md: "about 1e-5 relative")
 STEPS = 5
 LR = 1e-3

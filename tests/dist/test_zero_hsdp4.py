@@ -24,6 +24,9 @@ from tests.dist.test_zero_parity import (
     reference,
 )
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("dp_replicate", "zero1"), ("dp_replicate", "zero2"), ("dp_replicate", "zero3"))
+
 WORLD4, PER_RANK4 = 4, 2
 CASES = {"s1": {"stage": 1}, "s2": {"stage": 2}, "s3": {"stage": 3}, "s3_clip": {"stage": 3, "clip": 0.05}}
 

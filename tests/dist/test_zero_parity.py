@@ -19,6 +19,10 @@ from torch import nn
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("zero1", "accumulation"), ("zero2", "accumulation"), ("zero3", "accumulation"),
+            ("zero3", "offload_params"))  # fmt: skip
+
 VOCAB, HIDDEN, SEQ, PER_RANK_BATCH, STEPS, LR = 32, 16, 8, 4, 5, 1e-2
 WORLD = 2
 # bf16-mixed against the 1-process bf16-mixed reference (measured, 5 AdamW steps: losses <= 1.3e-4 (stage 2) and
