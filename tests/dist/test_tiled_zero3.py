@@ -21,6 +21,9 @@ import pytest
 
 from tests._dist import spawn
 
+#: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
+COMPOSES = (("zero3", "recompute"), ("sp", "loss_parallel"))
+
 TOL = 1e-6
 STEPS = 3
 LR = 0.2
