@@ -66,7 +66,7 @@ def test_reference_llama_converts_exactly_the_block_linears(recipe):
 def test_a_meta_device_model_converts_then_materializes_with_its_own_init():
     """ZeRO-3 builds ``configure_model`` on the meta device: the swap must not allocate, and the deferred init
     (``init_weights`` by FQN) must give the same weights as an eagerly built model."""
-    from lightning_v17.engine.zero.fsdp import materialize_meta_module
+    from lightning_v17.engine.zero.meta_init import materialize_meta_module
 
     eager = _llama()
     with torch.device("meta"):

@@ -7,11 +7,8 @@ from lightning_v17.engine.zero.comm import gather_bucket, pack_grad, pack_rows
 from lightning_v17.engine.zero.fsdp import (
     after_optimizer_step,
     apply_fsdp,
-    deferred_init,
     find_wrap_units,
     fsdp_root,
-    has_meta,
-    materialize_meta_module,
     optimizer_steps_inside,
     run_as_forward,
     set_cpu_prefetch,
@@ -24,6 +21,7 @@ from lightning_v17.engine.zero.layout import (
     is_elementwise_optimizer,
     shard_view,
 )
+from lightning_v17.engine.zero.meta_init import deferred_init, has_meta, materialize_meta_module
 from lightning_v17.engine.zero.owner_step import OwnerStep, StepPlan, attach_owner_steps, owner_step_of, plan_step
 from lightning_v17.engine.zero.stages_0_2 import ZeroEngine, apply_zero, broadcast_module
 from lightning_v17.engine.zero.state_dict import (

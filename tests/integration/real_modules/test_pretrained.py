@@ -230,7 +230,7 @@ def test_materialize_touches_only_what_is_still_on_meta():
     import torch
     from torch import nn
 
-    from lightning_v17.engine.zero.fsdp import materialize_meta_module
+    from lightning_v17.engine.zero.meta_init import materialize_meta_module
 
     with torch.device("meta"):
         model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "proj": nn.Linear(4, 4), "head": nn.Linear(4, 10)})

@@ -1,0 +1,153 @@
+"""Deferred (meta-device) init: build a model without storage, then allocate and initialize only what is still on meta.
+
+``ZeroPolicy(meta_init=True)`` runs ``configure_model`` on the meta device (:func:`deferred_init`), refusing loads
+there; after ZeRO-3 has sharded the model, :func:`materialize_meta_module` gives each tensor still on meta storage
+for this rank's shard only and initializes it, tensor by tensor, never touching what was loaded. The same path serves
+Lightning's ``trainer.init_module(empty_init=True)`` and a user's own ``torch.device("meta")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_v17.config import V17ConfigError
+from lightning_v17.engine._dtensor import local as _local
+
+__all__ = ["deferred_init", "has_meta", "materialize_meta_module"]
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+class _RefuseMetaLoads(TorchFunctionMode):
+    """Refuse copying real values into a meta tensor: torch drops them silently (the meta device holds no data), and
+    the tensor would later be initialized afresh, so a ``load_state_dict`` (its ``param.copy_``) would be lost."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and args:
+            dst = args[0]
+            src = args[1] if len(args) > 1 else kwargs.get("src")
+            if isinstance(src, torch.Tensor) and dst.is_meta and not src.is_meta:
+                raise V17ConfigError(
+                    "configure_model copied values into a tensor on the meta device (a load: load_state_dict, a "
+                    "checkpoint): ZeroPolicy(meta_init=True) builds configure_model on the meta device, where they "
+                    "are lost and the tensor is initialized afresh. Load with load_state_dict(..., assign=True) (the "
+                    "loaded tensors then stay and only what is still on meta is initialized), or keep meta_init=False "
+                    "(the default) to load weights in configure_model"
+                )
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def deferred_init() -> Generator[None, None, None]:
+    """Build on the meta device (``ZeroPolicy(meta_init=True)``, around ``configure_model``), refusing loads.
+
+    Inside, modules are built without storage; :func:`materialize_meta_module` later allocates only each rank's
+    shards and initializes them. A value copied into a meta tensor (``load_state_dict``) raises
+    :class:`~lightning_v17.config.V17ConfigError` instead of being dropped silently, and any other error (transformers'
+    ``from_pretrained`` refuses the meta device) gets a note naming the option.
+    """
+    with torch.device("meta"), _RefuseMetaLoads():
+        try:
+            yield
+        except Exception as err:
+            err.add_note(
+                "lightning-v17: configure_model ran on the meta device because ZeroPolicy(meta_init=True); build there "
+                "only what init_weights()/reset_parameters() initialize, or keep meta_init=False (the default) to load "
+                "weights (from_pretrained, load_state_dict) in configure_model"
+            )
+            raise
+
+
+@contextmanager
+def _keep_values(module: nn.Module, fresh: set[int]) -> Generator[None, None, None]:
+    """Restore, after an init call on ``module``, every tensor of its subtree that was not just allocated (ids in
+    ``fresh``): an init method writes all of its module's tensors, and a loaded one must keep its value."""
+    kept = [
+        (name, is_param, _local(t).clone())
+        for is_param, named in ((True, module.named_parameters()), (False, module.named_buffers()))
+        for name, t in named
+        if id(t) not in fresh and not t.is_meta
+    ]
+    yield
+    for name, is_param, value in kept:
+        t = module.get_parameter(name) if is_param else module.get_buffer(name)  # an init may replace a buffer
+        _local(t).copy_(value)
+
+
+def _materialize_param(p: nn.Parameter, device: torch.device) -> None:
+    """Storage on ``device`` for one meta parameter, keeping the Parameter object: tied parameters stay one tensor
+    and FSDP2 keeps its reference to the sharded parameter. ``to_empty`` instead registers a new Parameter per
+    module for a plain tensor (meta and real tensors cannot share ``.data``), which unties tied weights."""
+    torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
+
+
+@torch.no_grad()
+def materialize_meta_module(module: nn.Module, *, device: torch.device) -> None:
+    """Allocate and initialize the parameters and buffers that are still on the meta device, and only those.
+
+    A model, or part of one, built on the meta device (``ZeroPolicy(meta_init=True)``, Lightning's
+    ``trainer.init_module(empty_init=True)``, the user's own ``torch.device("meta")``) has no values yet. Each
+    tensor still on meta gets storage on ``device`` (for an FSDP2 DTensor only the local shard: the full model is
+    never materialized on one rank). Then the modules that own such a tensor initialize: the outermost ones
+    defining ``init_weights()`` their subtree (torchtitan's convention), every other one its ``reset_parameters()``.
+    Tensors that were not on meta (weights loaded in ``configure_model``, with ``load_state_dict(assign=True)`` or
+    next to a meta-built part) are never re-initialized: per tensor, not per module (``to_empty`` would give a
+    module's loaded tensors new storage too), and an init call that also writes them (``reset_parameters`` of a
+    module whose other tensors were meta, ``init_weights`` over a partly loaded subtree) has their values restored.
+
+    Raises:
+        V17ConfigError: if a module with a meta parameter has neither method (its weights would be uninitialized
+            memory).
+    """
+    if not has_meta(module):
+        return
+    fresh: set[int] = set()
+    buffers: dict[int, torch.Tensor] = {}  # a buffer shared by several modules stays one tensor
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and p.is_meta:
+                _materialize_param(p, device)
+                fresh.add(id(p))
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                if id(b) not in buffers:
+                    buffers[id(b)] = torch.empty_like(b, device=device)
+                    fresh.add(id(buffers[id(b)]))
+                m._buffers[name] = buffers[id(b)]
+
+    def owns_fresh(m: nn.Module, recurse: bool, *, params_only: bool = False) -> bool:
+        ts = m.parameters(recurse=recurse) if params_only else (*m.parameters(recurse=recurse), *m.buffers(recurse))
+        return any(id(t) in fresh for t in ts)
+
+    covered: set[int] = set()
+    for m in module.modules():  # outermost first
+        if id(m) in covered:
+            continue
+        if callable(getattr(m, "init_weights", None)) and owns_fresh(m, recurse=True):
+            with _keep_values(m, fresh):
+                m.init_weights()
+            covered.update(id(x) for x in m.modules())
+    missing = set()
+    for m in module.modules():
+        if id(m) in covered or not owns_fresh(m, recurse=False):
+            continue
+        if callable(getattr(m, "reset_parameters", None)):
+            with _keep_values(m, fresh):
+                m.reset_parameters()
+        elif owns_fresh(m, recurse=False, params_only=True):
+            missing.add(type(m).__name__)
+    if missing:
+        raise V17ConfigError(
+            f"deferred init (the model was built on the meta device: ZeroPolicy(meta_init=True) or "
+            f"empty_init=True) cannot initialize {sorted(missing)}: give them reset_parameters() or an init_weights() "
+            f"on an enclosing module, or build the model with real tensors (meta_init=False, the default)"
+        )
