@@ -179,17 +179,8 @@ RULES: tuple[Rule, ...] = (
     _needs_axis("TPPolicy.vocab_parallel"),
     _needs_axis("TPPolicy.loss_parallel"),
     _needs_axis("PipelinePolicy.split_points"),
-    Rule(
-        name="loss_parallel_without_pp",
-        options=("TPPolicy.loss_parallel", "pp"),
-        violated=lambda lay: lay.policy.tensor_parallel.loss_parallel and lay.pp > 1,
-        message=lambda lay: (
-            f"TPPolicy(loss_parallel=True) with pp={lay.pp} is not supported: the pipeline schedule computes the "
-            "loss on the last stage outside the strategy's loss_parallel() context"
-        ),
-        fix="use loss_parallel with pp=1, or drop it",
-        example={"pp": 2, "zero_stage": 1, "tp": {"size": 2, "loss_parallel": True}},
-    ),
+    # TPPolicy(loss_parallel=True) composes with pp (tests/dist/test_pp_loss_parallel.py): the last stage's loss and
+    # its backward run inside loss_parallel() on the vocab-sharded logits (engine/pipeline/loss.py)
     # ep x tp with sequence parallelism (tests/dist/test_ep_tp_sp.py) and ep x cp (tests/dist/test_ep_cp.py) compose:
     # the MoE layers route their slice of each sequence with the whole sequences' statistics (engine/ep/tokens.py)
     # cp beside HSDP (tests/dist/test_hsdp_cp.py) and beside tp with sequence parallelism (tests/dist/test_cp_tp.py)

@@ -242,9 +242,8 @@ def test_strategy_errors_name_the_option_and_the_fix() -> None:
             V17Strategy(tp=TPPolicy(**option))
     with pytest.raises(V17ConfigError, match="applies only with pp > 1"):
         V17Strategy(pp=PipelinePolicy(split_points=["model.layers.2"]))
-    with pytest.raises(V17ConfigError, match=r"TPPolicy\(loss_parallel=True\) with pp=2 is not supported.*use "
-                                             r"loss_parallel with pp=1"):
-        V17Strategy(pp=2, zero_stage=1, tp=TPPolicy(size=2, loss_parallel=True))
+    # loss parallelism composes with pp (tests/dist/test_pp_loss_parallel.py)
+    assert V17Strategy(pp=2, zero_stage=1, tp=TPPolicy(size=2, loss_parallel=True)).policy.tensor_parallel.loss_parallel
 
 
 @pytest.mark.timeout(400)

@@ -8,10 +8,20 @@ batch, and the schedule does not rescale gradients (``scale_grads=False``). The 
 exactly the non-pipelined token-mean loss, so parity with a single-process run holds even when micro-batches hold
 different numbers of valid tokens. A user loss (``loss_fn``, the LightningModule's ``pipeline_loss``) returns each
 micro-batch's mean; the step loss is their mean weighted by rows.
+
+Loss parallelism (``TPPolicy(loss_parallel=True)``): the tp plan keeps the head's logits a DTensor sharded along the
+vocabulary (``Shard(-1)``), and torch's vocab-parallel cross-entropy works on those shards only inside its
+``loss_parallel()`` context, for the loss *and* its backward. The pipeline schedule calls the loss on the last stage
+and runs its backward later, in its own backward actions (and once more in the first step's shape inference), so the
+loss itself opens the context when it first sees vocab-sharded logits and the runtime closes it when the step ends
+(:meth:`PipelineLoss.end_step`): every loss of the step and every backward through it run inside, as the strategy
+runs the whole training step inside it without pipelining. The divisor is unchanged: torch reduces the vocabulary
+shards' log-sum-exp and target logits over tp, so each tp rank gets the whole micro-batch's cross-entropy sum.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,7 +32,7 @@ import torch.nn.functional as F
 from lightning_v17.config import V17ConfigError
 from lightning_v17.engine.loss_norm import current_token_normalizer
 
-__all__ = ["PipelineLoss"]
+__all__ = ["PipelineLoss", "vocab_sharded"]
 
 
 # ---------------------------------------------------------------------------------------------------------- batches
@@ -79,6 +89,13 @@ def _pad_rows(t: torch.Tensor, rows: int, fill: float | None = None) -> torch.Te
 # ------------------------------------------------------------------------------------------------------------ loss
 
 
+def vocab_sharded(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` [..., V] are a DTensor sharded along V (what a tp plan with loss parallelism emits)."""
+    placements = getattr(logits, "placements", None)
+    last = logits.dim() - 1
+    return placements is not None and any(p.is_shard() and p.dim % logits.dim() == last for p in placements)
+
+
 class PipelineLoss:
     """The last stage's loss, called by the schedule once per micro-batch as ``loss(logits, rows)``.
 
@@ -93,7 +110,8 @@ class PipelineLoss:
       never ragged-batch padding; labels as given, unshifted); returns that micro-batch's mean loss, scaled here by
       its share of the real rows so that the step loss is the row-weighted mean.
 
-    Logits may be a vocab-sharded DTensor (loss parallel); :func:`pipeline_step` then runs inside ``loss_parallel``.
+    Logits may be a vocab-sharded DTensor (loss parallel): the loss then opens torch's ``loss_parallel()`` for the
+    rest of the step (see the module docstring), and ``loss_fn`` gets them as they are.
     """
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None) -> None:
@@ -113,6 +131,25 @@ class PipelineLoss:
         #: (under cp, where each rank's rows hold different numbers of this rank's tokens)
         self.token_shares = False
         self._row_weight: torch.Tensor | None = None
+        #: torch's loss_parallel() while open (from the first vocab-sharded logits to :meth:`end_step`)
+        self._loss_parallel: contextlib.ExitStack | None = None
+
+    def open_loss_parallel(self) -> None:
+        """Enter torch's ``loss_parallel()`` until :meth:`end_step`, once: it is not re-entrant (leaving an inner one
+        removes the op handlers an outer one still needs)."""
+        if self._loss_parallel is None:
+            from lightning_v17.engine.tp.apply import loss_parallel_context
+
+            stack = contextlib.ExitStack()
+            stack.enter_context(loss_parallel_context())
+            self._loss_parallel = stack
+
+    def end_step(self) -> None:
+        """Leave ``loss_parallel()`` if this step opened it (the runtime calls this after the schedule, also when
+        the step failed: torch's context does not clean up after an exception passing through it)."""
+        stack, self._loss_parallel = self._loss_parallel, None
+        if stack is not None:
+            stack.close()
 
     def prepare(self, batch: Any, parts: dict[str, Any], *, rows: int, padded_rows: int, shift: bool) -> None:
         """Hold one step's batch: ``batch`` as given (for ``loss_fn``), ``parts`` its dict form (``labels``,
@@ -139,6 +176,8 @@ class PipelineLoss:
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         start, n = int(rows[0]), rows.numel()  # the schedule's chunks of arange(B) are contiguous
+        if vocab_sharded(logits):  # the cross-entropy and, later in the step, its backward run on the shards
+            self.open_loss_parallel()
         if self.loss_fn is None:
             labels = self._labels[start : start + n]
             flat = logits.flatten(0, 1).float()
@@ -146,6 +185,8 @@ class PipelineLoss:
                 loss = F.cross_entropy(flat, labels.flatten(), ignore_index=-100, reduction="sum")
             else:
                 ce = F.cross_entropy(flat, labels.flatten(), ignore_index=-100, reduction="none")
+                if hasattr(ce, "full_tensor"):  # loss parallel: every token's loss, on every tp rank
+                    ce = ce.full_tensor()
                 loss = (ce * self._weight[start : start + n].flatten().to(ce.dtype)).sum()
             out = loss / (self._normalizer if self._divisor is None else self._divisor)
         else:

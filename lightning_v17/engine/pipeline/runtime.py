@@ -168,7 +168,8 @@ def build_schedule(
         pp_mesh: the 1-D "pp" mesh axis.
         policy: the pipeline policy (schedule, micro-batches m, virtual stages v).
         device: the device the stages run on.
-        loss_parallel: the last stage emits vocab-sharded DTensor logits (TP loss parallel).
+        loss_parallel: run the whole step inside torch's ``loss_parallel()``. Not needed for vocab-sharded logits
+            (TP loss parallel): the loss enters it itself when it sees them, for the rest of the step.
         loss_fn: ``loss_fn(logits, batch) -> Tensor``, the mean loss of one micro-batch given its logits and its
             rows of the batch (e.g. the LightningModule's ``pipeline_loss``); None: token-mean cross-entropy
             against ``batch["labels"]`` (see :class:`PipelineLoss`).
@@ -365,7 +366,6 @@ def _prepare(runtime: PipelineRuntime, batch: Any, *, train: bool, loss_scale: A
 def _run(runtime: PipelineRuntime, inputs: _StepInputs) -> torch.Tensor:
     from lightning_v17.engine.cp import use_cp_context
     from lightning_v17.engine.ep.balance import pipeline_balance_step
-    from lightning_v17.engine.tp.apply import loss_parallel_context
 
     loss_fn = runtime.loss_fn
     losses: list[torch.Tensor] = []
@@ -379,14 +379,19 @@ def _run(runtime: PipelineRuntime, inputs: _StepInputs) -> torch.Tensor:
     moe = (pipeline_balance_step(loss_fn.scale / runtime.policy.microbatches,
                                  padding_rows=inputs.target.numel() - loss_fn._rows)
            if inputs.train else contextlib.nullcontext())  # fmt: skip
-    with loss_parallel_context(runtime.loss_parallel), first, moe:
-        if inputs.train:
-            runtime.schedule.step(
-                *inputs.args, target=inputs.target, losses=losses, return_outputs=False, **inputs.kwargs
-            )
-        else:
-            with torch.no_grad(), _forward_only_actions(runtime.schedule):
-                runtime.schedule.eval(*inputs.args, target=inputs.target, losses=losses, **inputs.kwargs)
+    if runtime.loss_parallel:  # else the loss opens it at the first vocab-sharded logits (engine/pipeline/loss.py)
+        loss_fn.open_loss_parallel()
+    try:
+        with first, moe:
+            if inputs.train:
+                runtime.schedule.step(
+                    *inputs.args, target=inputs.target, losses=losses, return_outputs=False, **inputs.kwargs
+                )
+            else:
+                with torch.no_grad(), _forward_only_actions(runtime.schedule):
+                    runtime.schedule.eval(*inputs.args, target=inputs.target, losses=losses, **inputs.kwargs)
+    finally:
+        loss_fn.end_step()  # loss parallel covered every loss of the step and every backward through them
     step_s = time.perf_counter() - t0
     timer.record(step_s, timer.busy_s - busy0 + loss_fn.busy_s - loss0)
     device = runtime.stages[0].device
