@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_v17.config import CPMode, Recompute, V17ConfigError, ZeroPolicy
 
@@ -222,11 +223,50 @@ def cp_comm_bytes_per_layer(
     return math.ceil(passes * forward * micro_batch * element_bytes)
 
 
+@dataclass(frozen=True)
+class CPReport:
+    """The cp attention scheme of a plan and what each scheme would send (``planner.comm``).
+
+    Args:
+        mode: the scheme the plan uses (``ulysses`` or ``allgather``).
+        requested: what was asked (``auto`` or the mode itself).
+        why: the reason, in one sentence.
+        bytes_per_layer: {scheme: bytes one rank sends per layer and micro-batch, forward and backward (and the
+            recompute's forward)}; ulysses is absent where the heads do not allow it.
+    """
+
+    mode: CPMode
+    requested: CPMode
+    why: str
+    bytes_per_layer: dict[str, int]
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode.value, "requested": self.requested.value, "why": self.why,
+                "bytes_per_layer": dict(self.bytes_per_layer)}
+
+
+
+def cp_report(shape: Any, lay: Any, requested: CPMode, element: int) -> CPReport:
+    """The plan's cp report for its layout ``lay`` (``planner.plan.Layout``): both schemes' bytes per layer (ulysses only where the heads allow it) and why the plan's was chosen."""
+    heads, kv_heads = shape.heads // lay.tp, max(1, shape.kv_heads // lay.tp)  # one tp rank's, as the engine
+    _, why = choose_cp_mode(requested, cp=lay.cp, heads=heads, kv_heads=kv_heads)
+    modes = [CPMode.ALLGATHER]
+    if ulysses_kv_replication(lay.cp, heads=heads, kv_heads=kv_heads) is not None:
+        modes.insert(0, CPMode.ULYSSES)
+    per = {m.value: cp_comm_bytes_per_layer(seq=lay.seq, micro_batch=lay.micro_batch, kv_dim=shape.kv_dim // lay.tp,
+                                                  cp=lay.cp, element_bytes=element, recompute=lay.recompute, mode=m,
+                                                  heads=heads, kv_heads=kv_heads)
+           for m in modes}  # fmt: skip
+    return CPReport(mode=lay.cp_mode, requested=requested, why=why, bytes_per_layer=per)
+
+
 __all__ = [
+    "CPReport",
     "Collective",
     "choose_cp_mode",
     "cp_comm_bytes_per_layer",
     "cp_forward_elements_per_layer",
+    "cp_report",
     "dp_comm_bytes",
     "pp_comm_bytes_per_microbatch",
     "ring_fraction",

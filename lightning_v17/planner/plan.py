@@ -133,28 +133,6 @@ class Memory:
 
 
 @dataclass(frozen=True)
-class CPReport:
-    """The cp attention scheme of a plan and what each scheme would send (``planner.comm``).
-
-    Args:
-        mode: the scheme the plan uses (``ulysses`` or ``allgather``).
-        requested: what was asked (``auto`` or the mode itself).
-        why: the reason, in one sentence.
-        bytes_per_layer: {scheme: bytes one rank sends per layer and micro-batch, forward and backward (and the
-            recompute's forward)}; ulysses is absent where the heads do not allow it.
-    """
-
-    mode: CPMode
-    requested: CPMode
-    why: str
-    bytes_per_layer: dict[str, int]
-
-    def to_dict(self) -> dict:
-        return {"mode": self.mode.value, "requested": self.requested.value, "why": self.why,
-                "bytes_per_layer": dict(self.bytes_per_layer)}
-
-
-@dataclass(frozen=True)
 class Plan:
     """Everything the planner computed. :mod:`lightning_v17.planner.report` renders it."""
 
@@ -354,8 +332,8 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
                                        kv_heads=max(1, model.shape.kv_heads // tp))[0]
     moe_.check_ep(ep, dp_shard=dp, num_experts=model.shape.num_experts if model.shape is not None else 0)
     return Layout(dims=MeshSpec(tp=tp, pp=pp, dp_shard=dp, cp=cp, ep=ep), sp=sp, zero=zero, recompute=recompute,
-                  schedule=schedule, virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g, seq=seq,
-                  optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
+                  schedule=schedule, virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g,
+                  seq=seq,                  optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
                   offload_params=train.offload_params, fp8=train.fp8, cp_mode=cp_mode,
                   offload_activations=train.offload_activations, resident_blocks=train.resident_blocks)
 
@@ -464,7 +442,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         collectives.append(comm_.Collective(f"tp {kind} (activations)", "tp", per * per_rank_layers))
     cp_report = None
     if shape is not None and lay.cp > 1:
-        cp_report = _cp_report(shape, lay, train.cp_mode, element)
+        cp_report = comm_.cp_report(shape, lay, train.cp_mode, element)
         per = cp_report.bytes_per_layer[lay.cp_mode.value]
         name = ("cp all-to-all (q,k,v,out)" if lay.cp_mode == CPMode.ULYSSES
                 else "cp all-gather/reduce-scatter (K,V)")
@@ -559,20 +537,6 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     )  # fmt: skip
 
 
-def _cp_report(shape, lay: Layout, requested: CPMode, element: int) -> CPReport:
-    """Both schemes' bytes per layer (ulysses only where the heads allow it) and why the plan's was chosen."""
-    heads, kv_heads = shape.heads // lay.tp, max(1, shape.kv_heads // lay.tp)  # one tp rank's, as the engine
-    _, why = comm_.choose_cp_mode(requested, cp=lay.cp, heads=heads, kv_heads=kv_heads)
-    modes = [CPMode.ALLGATHER]
-    if comm_.ulysses_kv_replication(lay.cp, heads=heads, kv_heads=kv_heads) is not None:
-        modes.insert(0, CPMode.ULYSSES)
-    per = {m.value: comm_.cp_comm_bytes_per_layer(seq=lay.seq, micro_batch=lay.micro_batch, kv_dim=shape.kv_dim // lay.tp,
-                                                  cp=lay.cp, element_bytes=element, recompute=lay.recompute, mode=m,
-                                                  heads=heads, kv_heads=kv_heads)
-           for m in modes}  # fmt: skip
-    return CPReport(mode=lay.cp_mode, requested=requested, why=why, bytes_per_layer=per)
-
-
 def _recommend_cp(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                   rec: recipes.Recommendation) -> recipes.Recommendation:
     """The tree's "+CP for long sequences" (design §17.4): at seq >= ``recipes.LONG_SEQUENCE``, for a dense layout
@@ -613,5 +577,7 @@ def _bubble_inputs(train: TrainSpec) -> str:
         words += f", P2P {train.p2p_time:g}"
     return words
 
+
+CPReport = comm_.CPReport
 
 __all__ = ["CPReport", "ClusterSpec", "Layout", "Memory", "ModelSpec", "Plan", "TrainSpec", "make_plan", "memory_for"]

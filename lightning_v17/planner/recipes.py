@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_v17.config import (
-    MeshSpec,
-    ParallelDims,
     FP8Policy,
     FP8Recipe,
+    MeshSpec,
     OffloadPolicy,
+    ParallelDims,
     Schedule,
     Tier,
     TPPolicy,
