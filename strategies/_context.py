@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_v17.config import V17ConfigError
+from lightning_v17.engine.state import state_of
 
 IGNORE_INDEX = -100
 
@@ -100,7 +101,7 @@ def _wire_hf_loss(strategy: Any, hf: nn.Module) -> None:
     """The Hugging Face causal-LM loss under V17: under cp it takes the targets shifted on the full rows (it would
     shift inside each shard), and under ``loss_normalization="tokens"`` it divides its token sum by the step's
     global count (``num_items_in_batch``, transformers' own argument for it; ``engine/loss_norm.py``)."""
-    if not hasattr(hf, "loss_function") or getattr(hf, "_v17_loss_wired", False):
+    if not hasattr(hf, "loss_function") or state_of(hf).loss_wired:
         return
     from lightning_v17.engine.cp import current_cp_context
     from lightning_v17.engine.loss_norm import current_token_normalizer
@@ -124,7 +125,7 @@ def _wire_hf_loss(strategy: Any, hf: nn.Module) -> None:
                      shift_labels=shift_labels, **kwargs)  # fmt: skip
 
     hf.loss_function = loss
-    hf._v17_loss_wired = True
+    state_of(hf).loss_wired = True
 
 
 class ContextSteps:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_v17.config import V17ConfigError
+from lightning_v17.engine.state import optimizer_state, state_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -29,7 +30,7 @@ def _v17_grad_norm(module: Any, norm_type: float | str, group_separator: str = "
     """Lightning's ``grad_norm`` with V17's whole-gradient norms (same keys, same total)."""
     import torch
 
-    parallel = getattr(module, "_v17_parallel", None)
+    parallel = state_of(module).parallel
     if parallel is None or not parallel.zero.active:
         return _ORIGINAL[0](module, norm_type, group_separator)
     norm_type = float(norm_type)
@@ -85,7 +86,7 @@ def _filter_on_optimizer(optimizer: Any, params: Any) -> list:
     from lightning_v17.optim.local_step import has_dtensor_params
 
     groups = optimizer.param_groups
-    if getattr(optimizer, "_v17_zero", None) is None and not has_dtensor_params(groups):
+    if optimizer_state(optimizer).zero is None and not has_dtensor_params(groups):
         return _ORIGINAL_FILTER[0](optimizer, params)
     held = {id(getattr(p, "_v17_param", p)) for g in groups for p in g["params"]}
     out, removed = [], []

@@ -55,9 +55,10 @@ from lightning_v17.config import (
     ZeroPolicy,
 )
 from lightning_v17.engine.ep import balanced_layers, step_expert_biases
-from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize
+from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize, parallelized
 from lightning_v17.engine.precision import mixed_precision_dtypes
 from lightning_v17.engine.zero import fsdp as fsdp_engine
+from lightning_v17.engine.zero import meta_init
 from lightning_v17.engine.zero.backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
 from lightning_v17.resilience.watchdog import StepWatchdog
@@ -255,7 +256,7 @@ class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints
             _pipeline.check_pipeline_trainer(self, trainer)
         apply_config_to_trainer(self.policy, trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if not fsdp_engine.has_meta(self.model):
+        if not meta_init.has_meta(self.model):
             self.model_to_device()
         self.model = self._setup_model(self.model)
         self.barrier()
@@ -282,7 +283,7 @@ class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints
         """Resolve the plans, then one engine call (``parallelize``); idempotent across fit/validate/test."""
         spec, policy = self.mesh.spec, self.policy
         tp_plan = layout = loss_fn = None
-        if getattr(model, "_v17_parallel", None) is None:
+        if parallelized(model) is None:
             if spec.tp > 1:
                 from lightning_v17.models.tp_plans import resolve_tp_plan
 
@@ -327,8 +328,8 @@ class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints
         """Around ``configure_model``: real tensors, as in Lightning's own FSDP and ModelParallel strategies, so that
         ``from_pretrained`` and ``load_state_dict`` work there (each rank holds the whole model until ``setup``
         shards it). ``ZeroPolicy(meta_init=True)`` builds it on the meta device instead, so that only the shards
-        are ever allocated, and refuses loads there (:func:`lightning_v17.engine.zero.fsdp.deferred_init`)."""
-        with fsdp_engine.deferred_init() if self.policy.zero.meta_init else nullcontext():
+        are ever allocated, and refuses loads there (:func:`lightning_v17.engine.zero.meta_init.deferred_init`)."""
+        with meta_init.deferred_init() if self.policy.zero.meta_init else nullcontext():
             yield
 
     # ------------------------------------------------------------------ step

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_v17.engine.state import state_of
+
 __all__ = [
     "DeferredReduceScatters",
     "FSDPAllToAllAllGather",
@@ -281,7 +283,7 @@ def install_fsdp_comms(modules: list[Any], group: Any, *, defer_reduce_scatter: 
         if key not in per_state:
             world = dist.get_world_size(group)
             per_state[key] = FSDPAllToAllReduceScatter(deferred, state if deferred is not None else None, world=world)
-        m._v17_reduce_scatter = rs = per_state[key]
+        state_of(m).reduce_scatter = rs = per_state[key]
         m.set_custom_reduce_scatter(rs)
         m.set_custom_all_gather(ag)
     return True
@@ -296,7 +298,7 @@ def map_gradient_buffers(module: torch.nn.Module, min_bytes: int | None = 2**20)
     back). A mapping costs its page faults each step (the gradient bytes / 4 KiB). Returns the number of units."""
     n = 0
     for m in module.modules():
-        rs = getattr(m, "_v17_reduce_scatter", None)
+        rs = state_of(m).reduce_scatter
         if rs is not None:
             rs.mapped_from = min_bytes
             n += 1

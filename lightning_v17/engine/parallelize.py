@@ -44,12 +44,14 @@ from lightning_v17.engine._dtensor import local as _local
 from lightning_v17.engine.ep.apply import ExpertParallel, apply_expert_parallel, check_pipeline_moe, is_expert_param
 from lightning_v17.engine.fp8.convert import FP8Runtime, apply_fp8, float8_tp_plan
 from lightning_v17.engine.recompute import apply_activation_checkpointing
+from lightning_v17.engine.state import state_of
 from lightning_v17.engine.zero import fsdp as fsdp_engine
 from lightning_v17.engine.zero import stages_0_2 as zero_engine
 from lightning_v17.engine.zero.backend import ZeroBackend
+from lightning_v17.engine.zero.meta_init import materialize_meta_module
 from lightning_v17.mesh import MeshRuntime, expert_shard_mesh
 
-__all__ = ["Parallelized", "apply_zero_stage", "check_composition", "parallelize", "sync_replicas"]
+__all__ = ["Parallelized", "apply_zero_stage", "check_composition", "parallelize", "parallelized", "sync_replicas"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,11 @@ class Parallelized:
     fp8: FP8Runtime | None = None
     ep: ExpertParallel | None = None
     activations: Any = None
+
+
+def parallelized(module: nn.Module) -> Parallelized | None:
+    """What :func:`parallelize` did to ``module`` (None: it has not run on it)."""
+    return state_of(module).parallel
 
 
 def check_composition(policy: TrainingPolicy, dims: ParallelDims) -> None:
@@ -162,7 +169,7 @@ def apply_zero_stage(
         pipeline_stages=pipeline_stages,
     )
     # Only what is still on the meta device (meta_init, empty_init): weights loaded in configure_model are kept.
-    fsdp_engine.materialize_meta_module(module, device=device)
+    materialize_meta_module(module, device=device)
     return ZeroBackend(
         module,
         stage=z.stage,
@@ -299,7 +306,7 @@ def parallelize(
         V17ConfigError: an unsupported combination, a missing plan or layout, recompute without blocks.
     """
     device = torch.device(device)
-    done: Parallelized | None = getattr(module, "_v17_parallel", None)
+    done: Parallelized | None = state_of(module).parallel
     if done is not None:
         if not done.zero.active:
             done.zero = apply_zero_stage(
@@ -390,5 +397,5 @@ def parallelize(
         module=module, zero=backend, pipeline=pipeline, units=units, recompute=policy.recompute, fp8_layers=fp8_layers,
         fp8=fp8, ep=ep, activations=_activation_offload(units, policy, device, pipeline=pipeline),  # 8. saved tensors
     )
-    module._v17_parallel = out  # type: ignore[assignment]
+    state_of(module).parallel = out
     return out

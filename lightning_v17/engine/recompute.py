@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_v17.config import Recompute
+from lightning_v17.engine.state import state_of
 
 __all__ = ["SAVED_OPS", "apply_activation_checkpointing", "selective_policy"]
 
@@ -98,9 +99,9 @@ def apply_activation_checkpointing(
         units = find_wrap_units(module)
     _disable_kv_cache(module)
     for u in units:
-        if getattr(u, "_v17_recompute", None) is not None:
+        if state_of(u).recompute is not None:
             continue
         orig = u.forward
         u.forward = functools.partial(_checkpointed_forward, orig, mode)  # instance attribute: FQNs unchanged
-        u._v17_recompute = mode
+        state_of(u).recompute = mode
     return list(units)

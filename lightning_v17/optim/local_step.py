@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_v17.engine._dtensor import local_tensor as _local
+from lightning_v17.engine.state import optimizer_state
 
 __all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "LocalShardStep", "enable_local_step", "has_dtensor_params",
            "is_elementwise_optimizer", "is_torch_elementwise", "local_grad", "local_shards", "replace_step",
@@ -211,7 +212,7 @@ def step_on_local_shards(optimizer: Any) -> bool:
         True if the step was replaced; False without DTensor parameters or when it already was.
     """
     opt = optimizer
-    if getattr(opt, "_v17_local_step", False) or not has_dtensor_params(opt.param_groups):
+    if optimizer_state(opt).local_step or not has_dtensor_params(opt.param_groups):
         return False
 
     def body(previous: Callable[[], Any], closure: Callable[[], Any] | None) -> Any:
@@ -224,7 +225,7 @@ def step_on_local_shards(optimizer: Any) -> bool:
         return loss
 
     replace_step(opt, body)
-    opt._v17_local_step = True
+    optimizer_state(opt).local_step = True
     return True
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_v17.engine.state import state_of
 from tests._dist import spawn
 
 
@@ -93,7 +94,7 @@ def _fsdp_grads(rank: int, world: int, native: bool, mapped: bool = False) -> di
         model(x).square().mean().backward()
     grads = {n: p.grad.full_tensor() for n, p in root.named_parameters()}
     own = [_own_mapping(p.grad.to_local()) for p in root.parameters()]
-    mapped_buffers = sum(m._v17_reduce_scatter.mapped for m in root.modules() if hasattr(m, "_v17_reduce_scatter"))
+    mapped_buffers = sum(state_of(m).reduce_scatter.mapped for m in root.modules() if state_of(m).reduce_scatter)
     return {"installed": installed, "grads": grads, "n_mapped": n_mapped, "own_mapping": own,
             "mapped_buffers": mapped_buffers}  # fmt: skip
 

@@ -30,6 +30,7 @@ import os
 import pytest
 import torch
 
+from lightning_v17.engine.state import state_of
 from tests._dist import spawn
 from tests._glibc import mallinfo2, mapped_by
 from tests.dist.test_offload_params import check_fp32, fit_params, too_small
@@ -116,8 +117,8 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
                 for v, p in zip(tensors, ptrs) if ptrs.count(p) == 1
             ))  # fmt: skip
             # the reduce-scatter buffers (the sharded gradients) of every FSDP2 unit: own mappings under "recycle"
-            seen["mapped_from"].append(sorted({str(m._v17_reduce_scatter.mapped_from) for m in pl_module.modules()
-                                               if hasattr(m, "_v17_reduce_scatter")}))  # fmt: skip
+            seen["mapped_from"].append(sorted({str(state_of(m).reduce_scatter.mapped_from) for m in pl_module.modules()
+                                               if state_of(m).reduce_scatter is not None}))  # fmt: skip
             seen["maps_after_step"].append(_malloc_maps())
             seen["gathers_mapped"].append(_gathers_mapped(pl_module))
             off = offload_of(opt)
@@ -137,8 +138,8 @@ def _fit(name: str, stage: int, tier: str, root: str, *, lr_scale_rank1: float =
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )  # fmt: skip
     trainer.fit(model, loader, ckpt_path=ckpt_path)
-    seen["mapped_from_after"] = sorted({str(m._v17_reduce_scatter.mapped_from) for m in model.modules()
-                                        if hasattr(m, "_v17_reduce_scatter")})  # fmt: skip
+    seen["mapped_from_after"] = sorted({str(state_of(m).reduce_scatter.mapped_from) for m in model.modules()
+                                        if state_of(m).reduce_scatter is not None})  # fmt: skip
     seen["gathers_mapped_after"] = _gathers_mapped(model)
     losses = torch.tensor(model.losses)
     dist.all_reduce(losses)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_v17.engine.state import state_of
 from tests._dist import spawn
 
 #: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
@@ -83,7 +84,10 @@ def _hf_zero3_worker(rank: int, world: int) -> dict:
         "losses": losses,
         "params": params,
         "units": len(out.units),
-        "recompute": [getattr(u, "_v17_recompute", None) for u in out.units],
+        "recompute": [state_of(u).recompute for u in out.units],
+        # V17 keeps what it set on a module in one object (engine/state.py), as FSDP2 keeps its FSDPState
+        "loose": sorted({k for m in model.modules() for k in vars(m) if k.startswith("_v17") and k != "_v17_state"}),
+        "parallel_is_out": state_of(model).parallel is out,
         "lightning_imported": any(m == "lightning" or m.startswith(("lightning.", "pytorch_lightning")) for m in sys.modules),
     }
 
@@ -95,6 +99,7 @@ def test_parallelize_hf_llama_zero3_recompute_matches_single_process():
     for r in res:
         assert not r["lightning_imported"], "the composition function must work without Lightning"
         assert r["units"] == 2 and r["recompute"] == ["full", "full"], r
+        assert r["loose"] == [] and r["parallel_is_out"], r
         assert r["losses"] == pytest.approx(ref_losses, rel=RTOL)
         for n, ref in ref_params.items():
             err = float((r["params"][n] - ref).norm() / ref.norm().clamp_min(1e-12))
@@ -150,8 +155,14 @@ def test_parallelize_refuses_recompute_without_blocks_warns_zero3_and_syncs_repl
 
 
 def test_composition_refusals_before_any_process_group():
-    from lightning_v17.config import OffloadPolicy, ParallelDims, PipelinePolicy, TrainingPolicy, V17ConfigError
-    from lightning_v17.config import ZeroPolicy
+    from lightning_v17.config import (
+        OffloadPolicy,
+        ParallelDims,
+        PipelinePolicy,
+        TrainingPolicy,
+        V17ConfigError,
+        ZeroPolicy,
+    )
     from lightning_v17.engine.parallelize import check_composition
 
     one_f_one_b = TrainingPolicy(pipeline=PipelinePolicy(schedule="1f1b", microbatches=1))

@@ -114,7 +114,7 @@ def test_one_folder_per_axis():
     for name in ("errors", "enums", "mesh_spec", "policies", "fp8", "deepspeed", "schedules", "rules"):
         assert (PKG / "config" / f"{name}.py").is_file(), name
     flat = sorted(p.name for p in ENGINE.glob("*.py"))
-    assert flat == ["__init__.py", "_dtensor.py", "collectives.py", "loss_norm.py", "parallelize.py", "recompute.py"], flat
+    assert flat == ["__init__.py", "_dtensor.py", "collectives.py", "loss_norm.py", "parallelize.py", "recompute.py", "state.py"], flat
     assert not (PKG / "config.py").exists() and not (ENGINE / "trackers").exists()
 
 

@@ -200,6 +200,7 @@ BEFORE: dict[str, list[str]] = {
         "apply_zero_stage",
         "check_composition",
         "parallelize",
+        "parallelized",
         "sync_replicas"
     ],
     "lightning_v17.engine.param_offload": [

@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning_v17.config import HostMemory, Tier
 from lightning_v17.engine.offload.optimizer import OptimizerOffload
+from lightning_v17.engine.state import optimizer_state
 
 __all__ = ["attach_offload", "materialized", "offload_of"]
 
@@ -33,7 +34,7 @@ def attach_offload(
             parameters on an accelerator.
     """
     opt = getattr(optimizer, "_optimizer", optimizer)
-    existing = getattr(opt, "_v17_offload", None)
+    existing = optimizer_state(opt).offload
     if existing is not None and not existing.closed:
         return existing
     return OptimizerOffload(
@@ -44,8 +45,7 @@ def attach_offload(
 
 def offload_of(optimizer: Any) -> OptimizerOffload | None:
     """The live :class:`OptimizerOffload` of ``optimizer`` (a ``LightningOptimizer`` is unwrapped), else None."""
-    opt = getattr(optimizer, "_optimizer", optimizer)
-    off = getattr(opt, "_v17_offload", None)
+    off = optimizer_state(optimizer).offload
     return off if off is not None and not off.closed else None
 
 
@@ -53,7 +53,7 @@ def offload_of(optimizer: Any) -> OptimizerOffload | None:
 def materialized(optimizer: Any) -> Generator[None, None, None]:
     """:meth:`OptimizerOffload.materialized` for ``optimizer``; nothing to do without offload. After teardown it raises
     if the optimizer's state was on nvme files (removed then) rather than handing out an empty state."""
-    off = getattr(getattr(optimizer, "_optimizer", optimizer), "_v17_offload", None)
+    off = optimizer_state(optimizer).offload
     if off is None:
         yield
         return

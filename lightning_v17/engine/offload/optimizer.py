@@ -106,6 +106,7 @@ from lightning_v17.engine.offload.host_memory import (
     sole_owner,
     trim_heap,
 )
+from lightning_v17.engine.state import optimizer_state
 
 __all__ = ["OptimizerOffload", "own_mappings", "planned_state_bytes"]
 
@@ -243,7 +244,7 @@ class OptimizerOffload:
         #: seconds the last step waited for reads and writes (I/O not hidden behind compute), and its total time
         self.io_wait_s = self.step_s = 0.0
         optimizer.step = self.step  # type: ignore[method-assign]
-        optimizer._v17_offload = self  # type: ignore[attr-defined]
+        optimizer_state(optimizer).offload = self
 
     # -------------------------------------------------------------- layout
     def _make_chunks(self, chunk_bytes: float, ratio: float) -> list[_Chunk]:

@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_v17.config import V17ConfigError
 from lightning_v17.engine.offload import handles as offload_engine
+from lightning_v17.engine.state import optimizer_state
 from lightning_v17.engine.zero import fsdp as fsdp_engine
 from lightning_v17.engine.zero.stages_0_2 import ZeroEngine
 
@@ -321,7 +322,7 @@ class ZeroBackend:
         if owner is not None:  # stage 3, whole parameters on owner ranks: each owner's whole states, by FQN
             return owner.state_dict()
         with offload_engine.materialized(opt):  # offloaded state: read from its tier for the save
-            if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
+            if self.engine is not None and optimizer_state(opt).zero is self.engine:
                 self.engine.init_optimizer_state(opt)  # empty state gets tensors, so that DCP has something to load
                 return self.engine.optimizer_state_dict(opt)
             return get_optimizer_state_dict(self.module, opt, options=StateDictOptions(full_state_dict=False))
@@ -338,7 +339,7 @@ class ZeroBackend:
             owner.load_state_dict(state)
             return
         with offload_engine.materialized(opt):  # offloaded state: written back to its tier after the load
-            if self.engine is not None and getattr(opt, "_v17_zero", None) is self.engine:
+            if self.engine is not None and optimizer_state(opt).zero is self.engine:
                 self.engine.load_optimizer_state_dict(opt, state)
             else:  # not strict: a parameter the saved optimizer never stepped has no state (drop_unsaved_optimizer_entries
                 # left it out of the template; DCP itself loads every key the template has strictly)

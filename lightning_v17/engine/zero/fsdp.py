@@ -21,9 +21,9 @@ from lightning_v17.config import V17ConfigError
 from lightning_v17.engine._dtensor import local as _local
 from lightning_v17.engine.collectives import install_fsdp_comms, is_cpu_gloo
 from lightning_v17.engine.ep.apply import find_moe_layers, is_expert_param
+from lightning_v17.engine.state import state_of
 
 # re-exported: strategies/v17.py and engine/parallelize.py reach them as ``fsdp_engine.<name>``
-from lightning_v17.engine.zero.meta_init import deferred_init, has_meta, materialize_meta_module  # noqa: F401
 
 __all__ = [
     "after_optimizer_step",
@@ -215,8 +215,8 @@ def apply_fsdp(
         fully_shard(root, reshard_after_forward=False, **kw)
         # Gathered for the whole of its forward (the step hook): a call of the model inside it must not free it; an
         # explicit reshard_after_forward=True is applied at the end of that forward (run_as_forward).
-        root.__dict__["_v17_root_reshard"] = root_rsf
-    module.__dict__["_v17_fsdp_root"] = root  # in __dict__: a Module attribute would register it as a submodule
+        state_of(root).root_reshard = root_rsf
+    state_of(module).fsdp_root = root
     sharded = units + child_mods + ([root] if root is not None else [])
     # On gloo, reduce-scatter and all-gather as one all_to_all each (engine/collectives.py: ~2x and ~1.5x faster);
     # NCCL keeps FSDP2's native collectives.
@@ -234,7 +234,7 @@ def apply_fsdp(
         # hook calls them (and some not at all in a given backward), so they are gathered when called.
         set_cpu_prefetch(units, root, depth=prefetch_units)
     if root is not None:
-        root.__dict__["_v17_sharded"] = sharded
+        state_of(root).sharded = tuple(sharded)
         root.register_forward_hook(lambda m, args, out: reshard_after_no_grad(m))
     return sharded
 
@@ -272,10 +272,10 @@ def _shard_pipeline_stages(
         install_fsdp_comms(group, shard_group)
         if cpu_overlap and prefetch_units > 0:
             set_cpu_prefetch(mine, stage, depth=prefetch_units)
-        stage.__dict__["_v17_sharded"] = group
+        state_of(stage).sharded = tuple(group)
         stage.register_forward_hook(lambda m, args, out: reshard_after_no_grad(m))
         sharded.extend(group)
-    module.__dict__["_v17_fsdp_root"] = None
+    state_of(module).fsdp_root = None
     return sharded
 
 
@@ -288,9 +288,9 @@ def reshard_after_no_grad(root: nn.Module) -> None:
     start of an epoch, right after validation) never reached the units that stayed gathered: their gradients were
     not produced in the next step. Called after the root's forward (and after the step hook that the strategy runs
     as the root's forward, :func:`run_as_forward`)."""
-    if torch.is_grad_enabled() or root.__dict__.get("_v17_in_step", False):
+    if torch.is_grad_enabled() or state_of(root).in_step:
         return  # inside a step hook, the hook may still use the root's parameters: at its end
-    for m in root.__dict__.get("_v17_sharded", ()):
+    for m in state_of(root).sharded:
         m.reshard()
 
 
@@ -379,7 +379,7 @@ def _child_unit_groups(module: nn.Module, unit_ids: set[int], in_units: set[int]
 def fsdp_root(module: nn.Module) -> nn.Module | None:
     """The FSDP2 root :func:`apply_fsdp` made for ``module`` (``module`` itself or its one model), or None when
     ``module`` was not sharded by it."""
-    return module.__dict__.get("_v17_fsdp_root")
+    return state_of(module).fsdp_root
 
 
 def run_as_forward(root: nn.Module, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -397,13 +397,13 @@ def run_as_forward(root: nn.Module, fn: Callable[..., Any], /, *args: Any, **kwa
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     state = root._get_fsdp_state()  # type: ignore[operator]
-    rsf = root.__dict__.get("_v17_root_reshard", False)
+    rsf = state_of(root).root_reshard
     state._pre_forward(root, (), {})
-    root.__dict__["_v17_in_step"] = True
+    state_of(root).in_step = True
     try:
         out = fn(*args, **kwargs)
     finally:
-        root.__dict__["_v17_in_step"] = False
+        state_of(root).in_step = False
     # A call of the root's own forward nested in the hook ran its post-forward already and left the group idle, and
     # FSDP2's reshard() frees an idle group whatever reshard_after_forward says: back in forward, the post-forward
     # below honours it (else the root is freed here and all-gathered again at the start of backward).
@@ -434,11 +434,11 @@ def optimizer_steps_inside(root: nn.Module) -> Generator[None, None, None]:
         yield
         return
     root.set_reshard_after_backward(False, recurse=False)  # type: ignore[operator]
-    root.__dict__["_v17_steps_inside"] = True
+    state_of(root).steps_inside = True
     try:
         yield
     finally:
-        root.__dict__["_v17_steps_inside"] = False
+        state_of(root).steps_inside = False
         root.set_reshard_after_backward(True, recurse=False)  # type: ignore[operator]
         root.reshard()  # type: ignore[operator]
 
@@ -451,7 +451,7 @@ def after_optimizer_step(module: nn.Module, optimizer: Any = None) -> None:
     step updates the parameter in place (FSDP2's copy into the gathered parameter preserves the version: it expects
     the same values). Elsewhere a no-op."""
     root = fsdp_root(module)
-    if root is None or not root.__dict__.get("_v17_steps_inside", False):
+    if root is None or not state_of(root).steps_inside:
         return
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 

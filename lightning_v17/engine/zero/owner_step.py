@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_v17.config import V17ConfigError
+from lightning_v17.engine.state import optimizer_state
 from lightning_v17.engine.zero.layout import chunk_rows
 from lightning_v17.optim.factory import bitsandbytes_optimizer_base
 from lightning_v17.optim.local_step import is_torch_elementwise, local_grad, replace_step
@@ -200,7 +201,7 @@ class OwnerStep:
         self.loaded = False
         self._layout()
         replace_step(optimizer, self._step)
-        optimizer._v17_owner_step = self  # type: ignore[attr-defined]
+        optimizer_state(optimizer).owner_step = self
 
     # ------------------------------------------------------------------ layout
     def _signature(self) -> tuple[int, ...]:
@@ -465,7 +466,8 @@ class OwnerStep:
 
 def owner_step_of(optimizer: Any) -> OwnerStep | None:
     """The :class:`OwnerStep` attached to ``optimizer``, else None."""
-    return getattr(optimizer, "_v17_owner_step", None)
+    st = optimizer_state(optimizer, create=False)
+    return None if st is None else st.owner_step
 
 
 def attach_owner_steps(optimizers: Iterable[torch.optim.Optimizer], *, names: Mapping[int, str]) -> list[OwnerStep]:

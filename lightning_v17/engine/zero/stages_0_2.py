@@ -46,6 +46,7 @@ from torch import nn
 from lightning_v17.config import V17ConfigError
 from lightning_v17.engine.collectives import reduce_scatter
 from lightning_v17.engine.ep.apply import is_expert_param
+from lightning_v17.engine.state import optimizer_state
 from lightning_v17.engine.zero.adoption import LateParams
 from lightning_v17.engine.zero.comm import gather_bucket, pack_grad, pack_rows
 from lightning_v17.engine.zero.fsdp import apply_fsdp
@@ -237,8 +238,8 @@ class ZeroEngine(LateParams, ShardedOptimizerState):
         Lion/...); optimizers that need the whole matrix (Shampoo, Adafactor's factored rows/columns) are not
         partitioned exactly and must use stage 0 or 3.
         """
-        mark = "_v17_zero_experts" if self.experts else "_v17_zero"
-        if self.stage == 0 or getattr(optimizer, mark, None) is self:
+        mark = "zero_experts" if self.experts else "zero"
+        if self.stage == 0 or getattr(optimizer_state(optimizer), mark) is self:
             return optimizer
         if not self._partition_chosen:
             self.choose_partition([optimizer])
@@ -259,7 +260,7 @@ class ZeroEngine(LateParams, ShardedOptimizerState):
                         "build optimizers from self.parameters() (or a subset of them) in configure_optimizers"
                     )
             group["params"] = self.optimizer_params(kept)
-        setattr(optimizer, mark, self)
+        setattr(optimizer_state(optimizer), mark, self)
         self._note_stepped(optimizer)
         # The optimizer now only sees the shards, so its zero_grad would leave the full parameters' gradients (stage
         # 1 keeps them; stage 2 during accumulation) to leak into the next step. Clear them too, for this optimizer's
