@@ -3,9 +3,10 @@
 ``V17Strategy(loss_normalization="tokens")`` (the default): before each training micro-batch's forward,
 :meth:`TokenSteps.batch_to_device` counts the batch's targets (``lightning_v17.engine.loss_norm.target_count``),
 sums them over the data-parallel ranks and over the micro-batches of the accumulation window, ``T``, and makes a
-:class:`~lightning_v17.engine.loss_norm.TokenNormalizer` with divisor ``T / (D k)`` current (``D = dp x cp``, the
-ranks the gradient is averaged over; ``k`` Lightning's ``accumulate_grad_batches``, which divides each micro-batch's
-loss). The losses that know their count divide by it (the reference model's, the pipeline's default loss, the
+:class:`~lightning_v17.engine.loss_norm.TokenNormalizer` with divisor ``T / (D n)`` current (``D = dp x cp``, the
+ranks the gradient is averaged over; ``n`` the window's batches: Lightning's ``accumulate_grad_batches`` ``k``, which
+divides each micro-batch's loss, or fewer in an epoch's last window, where the step's gradient is then ``n / k`` of
+the window's token mean, as Lightning's own accumulation scales it). The losses that know their count divide by it (the reference model's, the pipeline's default loss, the
 Hugging Face causal-LM loss ``_context.py`` wires): every layout then trains one process's objective on the same
 global batch. ``"rank_mean"``: no normalizer; each rank's loss is its own mean (DDP's objective).
 
@@ -137,7 +138,7 @@ class TokenSteps:
         return norm is not None and norm.used
 
     def _token_divisor(self, batch: Any) -> float | None:
-        """``T / (D k)`` for this training batch, or None (module docstring)."""
+        """``T / (D n)`` for this training batch, or None (module docstring)."""
         module = getattr(self, "_lightning_module", None)
         trainer = getattr(module, "_trainer", None)
         if trainer is None or not trainer.training or trainer.sanity_checking:
@@ -154,7 +155,7 @@ class TokenSteps:
         i = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)  # this batch's index in the epoch
         window, epoch = self._token_window, int(trainer.current_epoch)
         if k > 1 and window is not None and window[0] == epoch and window[1] <= i < window[2]:
-            return window[3] / (spec.dp * spec.cp * k)
+            return window[3] / (spec.dp * spec.cp * (window[2] - window[1]))
         n = 1
         later: list[float | None] = []
         if k > 1:
@@ -176,4 +177,4 @@ class TokenSteps:
             return None
         total_t = float(local[0])
         self._token_window = (epoch, i, i + n, total_t)
-        return total_t / (spec.dp * spec.cp * k) if total_t > 0 else None  # no target in the step: a zero loss
+        return total_t / (spec.dp * spec.cp * n) if total_t > 0 else None  # no target in the step: a zero loss

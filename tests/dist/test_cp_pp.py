@@ -103,7 +103,7 @@ def test_a_hugging_face_model_under_cp_and_pp_is_refused() -> None:
     from lightning_v17.strategies._context import prepare_context_parallel_model
     from torch import nn
 
-    from lightning_v17.config import PipelinePolicy, V17ConfigError
+    from lightning_v17.config import ParallelDims, V17ConfigError
 
     class LlamaForCausalLM(nn.Module):
         config = SimpleNamespace()
@@ -111,6 +111,6 @@ def test_a_hugging_face_model_under_cp_and_pp_is_refused() -> None:
         def set_attn_implementation(self, name: str) -> None:
             raise AssertionError("refused before wiring")
 
-    strategy = SimpleNamespace(policy=SimpleNamespace(pipeline=PipelinePolicy(size=2)))
+    strategy = SimpleNamespace(dims=ParallelDims(pp=2, cp=2))
     with pytest.raises(V17ConfigError, match=r"cp=2 with pp=2 on a Hugging Face model \(LlamaForCausalLM\)"):
         prepare_context_parallel_model(strategy, LlamaForCausalLM(), 2)

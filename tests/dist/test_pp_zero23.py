@@ -81,7 +81,7 @@ def _loader(world: int, first_step: int = 0):
 
 
 def _fit(world: int, strategy: dict | None, opt: str, *, max_steps: int = STEPS, first_step: int = 0,
-         save: str | None = None, resume: str | None = None, layers: int = 2) -> dict:  # fmt: skip
+         save: str | None = None, resume: str | None = None, layers: int = 2, sgd_lr: float = 0.5) -> dict:  # fmt: skip
     """One Trainer run of the tiny LlamaLM with ``layers`` blocks; returns each step's loss (the mean over the dp
     ranks), the whole model's pre-clip gradient norm, the norm the strategy's clipping computed, every parameter of
     this rank (gathered whole), its layout, the all-gathers per step and the activation offload's counters after
@@ -102,7 +102,7 @@ def _fit(world: int, strategy: dict | None, opt: str, *, max_steps: int = STEPS,
     class LM(LlamaLM):
         def configure_optimizers(self):
             if opt == "sgd":
-                return torch.optim.SGD(self.parameters(), lr=0.5)
+                return torch.optim.SGD(self.parameters(), lr=sgd_lr)
             return torch.optim.AdamW(self.parameters(), **PACKED_ADAMW)
 
     class Rec(L.Callback):
