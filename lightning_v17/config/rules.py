@@ -142,8 +142,9 @@ RULES: tuple[Rule, ...] = (
         options=("OffloadPolicy.params", "fp8"),
         violated=lambda lay: _tier(lay, "params") == "nvme" and _fp8(lay) is not None,
         message=lambda lay: (
-            "OffloadPolicy(params='nvme') with fp8 is not implemented yet (the float8 scales read the weights after "
-            "each step)"
+            "OffloadPolicy(params='nvme') with fp8 is not supported: fp8 makes each sharded weight a torchao float8 "
+            "tensor whose storage the nvme parameter tier (which pages FSDP2's plain shard storage to files) cannot "
+            "page out, and its scales read every weight after each optimizer step"
         ),
         fix="use OffloadPolicy(params='cpu' or 'none') with fp8, or drop fp8",
         example={"zero_stage": 3, "offload": {"params": "nvme", "nvme_path": "."}, "fp8": "tensorwise"},

@@ -243,7 +243,7 @@ def test_param_offload_refused_before_training(tmp_path) -> None:
     assert s.policy.offload.params == Tier.NVME and s.policy.offload.optimizer == Tier.NONE
     offload = OffloadPolicy(params="nvme", nvme_path=str(tmp_path))
     check_composition(TrainingPolicy(offload=offload), ParallelDims())  # accepted
-    with pytest.raises(V17ConfigError, match=r"OffloadPolicy\(params='nvme'\) with fp8 is not implemented yet"):
+    with pytest.raises(V17ConfigError, match=r"OffloadPolicy\(params='nvme'\) with fp8 is not supported: fp8 makes each sharded weight"):
         check_composition(TrainingPolicy(offload=offload, fp8=FP8Policy()), ParallelDims())
     assert not list(tmp_path.iterdir())  # construction creates no files
 
