@@ -112,7 +112,7 @@ def _resume(opt: str, tmp: str) -> dict:
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=V17Strategy(zero_stage=3), max_steps=STEPS, logger=False,
             callbacks=[rec, *callbacks], use_distributed_sampler=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0,
+            enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp,
         )  # fmt: skip
         sampler = DistributedSampler(data, num_replicas=2, rank=trainer.global_rank, shuffle=False)
         trainer.fit(module, DataLoader(data, batch_size=BATCH, sampler=sampler), **kw)
