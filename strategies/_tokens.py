@@ -162,6 +162,7 @@ class TokenSteps:
             total = trainer.num_training_batches
             n = int(min(k - i % k, total - i)) if total != float("inf") else k - i % k
             later = ahead.peek(n - 1) if ahead is not None else [None] * (n - 1)
+            n = 1 + len(later)  # an iterable dataset of unknown length may end the epoch inside the window
         bad = k > 1 and (read != mine or any(c is None for c in later))
         local = torch.tensor([mine + sum(c for c in later if c is not None), float(bad)], dtype=torch.float64,
                              device=self.root_device)  # type: ignore[attr-defined]  # fmt: skip

@@ -6,7 +6,8 @@ data-parallel ranks and the accumulated micro-batches of one step hold different
 train the same rows spread over their data-parallel ranks and micro-batches, with plain SGD and no clipping (a
 gradient weighted differently moves the weights off the reference):
 
-* dp=2 with ``accumulate_grad_batches=2`` (2 ranks, ZeRO-1): the window's second batch is read ahead;
+* dp=2 with ``accumulate_grad_batches=2`` (2 ranks, ZeRO-1): the window's second batch is read ahead; again from an
+  ``IterableDataset`` without a length (Lightning counts its batches as infinite);
 * HSDP 2 x 2 (``dp_replicate=2``, ``dp_shard=2``, ZeRO-3, 4 ranks);
 * ep=2 x pp=2 (4 ranks, the MoE model, ZeRO-1, 2 micro-batches): the pipeline's default loss divides by the count.
 
@@ -28,6 +29,7 @@ STEPS, SEQ, ROWS = 5, 16, 2  # ROWS: rows per rank and micro-batch
 TOL = 1e-5
 CASES = {  # name -> (world, dp, accumulate, model, V17Strategy kwargs)
     "dp2_accum2": (2, 2, 2, "tiny", {"zero_stage": 1}),
+    "dp2_accum2_iterable": (2, 2, 2, "tiny", {"zero_stage": 1}),
     "hsdp2x2": (4, 4, 1, "tiny", {"zero_stage": 3, "dp_replicate": 2}),
     "hsdp2x2_rank_mean": (4, 4, 1, "tiny", {"zero_stage": 3, "dp_replicate": 2, "loss_normalization": "rank_mean"}),
     "ep2_pp2": (4, 2, 1, "tiny-moe", {"zero_stage": 1, "ep": 2, "pp": 2, "microbatches": 2}),
@@ -52,7 +54,18 @@ def _rows(n: int):
     return Rows()
 
 
-def _fit(world: int, dp: int, accumulate: int, model: str, kwargs: dict | None) -> dict:
+def _Stream(rows):
+    """``rows`` as an ``IterableDataset`` without ``__len__``."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return (rows[i] for i in range(len(rows)))
+
+    return Stream()
+
+
+def _fit(world: int, dp: int, accumulate: int, model: str, kwargs: dict | None, iterable: bool = False) -> dict:
     """One run; ``kwargs`` None: the one-process reference (plain Lightning) on every step's global batch."""
     import os
 
@@ -102,7 +115,10 @@ def _fit(world: int, dp: int, accumulate: int, model: str, kwargs: dict | None) 
     else:  # micro-batch m of step j on dp rank r: rows j*per_step + (m*dp + r)*ROWS ...
         mine = [j * per_step + (m * dp + dp_rank) * ROWS + t
                 for j in range(STEPS) for m in range(accumulate) for t in range(ROWS)]  # fmt: skip
-        loader = DataLoader(Subset(rows, mine), batch_size=ROWS, shuffle=False)
+        data = Subset(rows, mine)
+        if iterable:
+            data = _Stream(data)
+        loader = DataLoader(data, batch_size=ROWS, shuffle=False)
         strategy, devices = V17Strategy(**policies(**kwargs)), world
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -114,7 +130,7 @@ def _fit(world: int, dp: int, accumulate: int, model: str, kwargs: dict | None) 
 
 
 def _worker(rank: int, world: int, cases: dict) -> dict:
-    return {name: _fit(*case) for name, case in cases.items()}
+    return {name: _fit(*case, iterable=name.endswith("iterable")) for name, case in cases.items()}
 
 
 @pytest.fixture(scope="module")
