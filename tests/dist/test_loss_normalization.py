@@ -145,7 +145,7 @@ def runs() -> dict:
 @pytest.fixture(scope="module")
 def references() -> dict:
     refs = {}
-    for name, (world, dp, accumulate, model, _) in CASES.items():
+    for _world, dp, accumulate, model, _ in CASES.values():
         key = (dp * accumulate, model)
         if key not in refs:
             refs[key] = _fit(1, dp, accumulate, model, None)
