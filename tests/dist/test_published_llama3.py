@@ -28,13 +28,13 @@ half of them).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
 
 from tests._dist import spawn
 from tests._strategy import PACKED_CLIP, STEPS, fit_packed, packed_docs
+from tests.dist.test_cp_tp import _local_tokens, _sgd_lr
 
 #: the compositions this file checks against one process (docs/gen_layouts.py builds docs/layouts.md from them)
 COMPOSES = (("pp", "cp", "tp", "zero3"), ("pp", "cp", "sp", "zero3"),  # tp's heads split, with SP between them
@@ -52,18 +52,9 @@ CASES = {  # name -> V17Strategy kwargs of the 8-rank run
               "pp": {"size": 2, "schedule": "gpipe", "microbatches": 2}},
 }  # fmt: skip
 OPTIMIZERS = ("sgd", "adamw")
-# As in tests/dist/test_cp_tp.py: fit_packed's SGD lr 0.5 is past the edge of stability on this model, where fp32
-# rounding differences grow about 100x over 5 steps; at 0.1 a wrong gradient still moves the weights by ~0.1 |g|.
-SGD_LR = 0.1
+# SGD at tests/dist/test_cp_tp.py's SGD_LR (its _sgd_lr hook): fit_packed's lr 0.5 is past the edge of stability on
+# this model, where fp32 rounding differences grow about 100x over 5 steps.
 _LAYOUT: dict[str, Any] = {}  # parameter name -> (mesh axes, placements, local numel); "stepped": the optimizer's
-
-
-def _sgd_lr(optimizer, args, kwargs) -> None:
-    import torch
-
-    if isinstance(optimizer, torch.optim.SGD):
-        for group in optimizer.param_groups:
-            group["lr"] = SGD_LR
 
 
 def _fit_all(rank: int, world: int) -> dict:
@@ -132,31 +123,6 @@ def _norm(module, world: int) -> float:
     if world > 1:
         dist.all_reduce(sq, group=strategy.mesh.group("pp"))
     return float(sq.sqrt())
-
-
-@contextlib.contextmanager
-def _local_tokens():
-    """Record the tokens (dim 1 of the local tensor) every RMSNorm put out and every attention took in."""
-    from torch.nn.modules.module import register_module_forward_hook
-
-    from lightning_v17.models.llama import Attention, RMSNorm
-
-    seen: dict[str, set[int]] = {"norm": set(), "attention": set()}
-
-    def local(t):
-        return (t.to_local() if hasattr(t, "to_local") else t).shape[1]
-
-    def hook(module, args, output) -> None:
-        if isinstance(module, RMSNorm):
-            seen["norm"].add(local(output))
-        elif isinstance(module, Attention):
-            seen["attention"].add(local(args[0]))
-
-    handle = register_module_forward_hook(hook)
-    try:
-        yield seen
-    finally:
-        handle.remove()
 
 
 @pytest.fixture(scope="module")
