@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--memory-reserve", type=_non_negative_float, default=0.1,
                    help="fraction of device memory kept free for the CUDA context, NCCL buffers and allocator "
                         "fragmentation (default 0.1); a plan fits within the rest")
+    c.add_argument("--host-memory", type=_positive_float, metavar="GB",
+                   help="host memory of one node in GB, shared by its ranks' cpu-tier bytes (on cpu also by their "
+                        "device bytes) (default: on cpu this machine's memory; else 250 GB per device, 2 TB for 8)")
+    c.add_argument("--nvme-capacity", type=_positive_float, metavar="GB",
+                   help="NVMe space of one node in GB for the nvme tier, shared by its ranks (default: the free "
+                        "space at --nvme-path)")
+    c.add_argument("--nvme-path", default=".",
+                   help="directory the nvme tier writes to; its free space is the default --nvme-capacity "
+                        "(default: the current directory)")
     c.add_argument("--checkpoint-write-s", type=_positive_float, help="checkpoint write time (default: estimated)")
     t = p.add_argument_group("layout and training (unset: chosen by the decision tree)")
     for flag in ("tp", "pp", "dp", "cp"):
@@ -180,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     o.add_argument("--max-model", action="store_true",
-                   help="also report the largest model of this architecture that fits per rank with this layout")
+                   help="also report the largest model of this architecture that fits with this layout: device "
+                        "memory per rank, host memory and NVMe per node")
     o.add_argument("--emit-config", metavar="PATH",
                    help="also write the plan as a Lightning CLI YAML (V17Strategy, trainer, model, data) that "
                         "`v17 fit --config PATH` runs; a comment records this command")
@@ -233,6 +243,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         gpu=args.gpu or defaults.get("gpu", "h100-80gb"), gpus=gpus, gpus_per_node=args.gpus_per_node,
         pcie_gbps=args.pcie_gbps, nvme_gbps=args.nvme_gbps, storage_gbps=args.storage_gbps,
         node_mtbf_hours=args.node_mtbf_hours, memory_reserve=args.memory_reserve,
+        host_memory_gb=args.host_memory, nvme_capacity_gb=args.nvme_capacity, nvme_path=args.nvme_path,
     )  # fmt: skip
     train = TrainSpec(
         tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp,

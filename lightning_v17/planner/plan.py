@@ -26,6 +26,7 @@ from lightning_v17.config import (
     check_tp_divides,
 )
 from lightning_v17.config.schedules import schedule_info
+from lightning_v17.planner import capacity as cap
 from lightning_v17.planner import comm as comm_
 from lightning_v17.planner import memory as mem
 from lightning_v17.planner import moe as moe_
@@ -165,10 +166,13 @@ class Plan:
     cp: CPReport | None = None
     #: activation offload: what leaves the device and whether its transfers hide; None without it
     activation_offload: off.ActivationOffload | None = None
+    #: device (per rank), host and NVMe (per node: all its ranks) against their capacities
+    capacity: tuple[cap.TierCheck, ...] = ()
 
     @property
     def fits(self) -> bool:
-        return self.memory.tiers.gpu <= self.cluster.usable_memory_bytes
+        checks = self.capacity or cap.capacity_checks(self.memory.tiers, self.cluster, gpus=self.layout.gpus)
+        return all(c.fits for c in checks)
 
     @property
     def comm_bytes_per_step(self) -> int:
@@ -524,8 +528,9 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         warnings.append(f"seq={lay.seq} exceeds the learned position table ({shape.seq}) of this gpt shape")
     fit = recipes.fit_warning(memory.tiers.gpu, cluster.usable_memory_bytes, name=acc.name,
                               total_bytes=acc.memory_bytes)
-    if fit:
-        warnings.append(fit)
+    checks = cap.capacity_checks(memory.tiers, cluster, gpus=lay.gpus)
+    warnings += [fit] if fit else []
+    warnings += [c.warning() for c in checks if c.tier != "device" and not c.fits]
     return Plan(
         model=model, cluster=cluster, layout=layout, recommendation=rec, recommended_recompute=rec_recompute,
         memory=memory, collectives=tuple(collectives), comm_time_s=comm_time, bubble=bubble, flops_per_step=hw,
@@ -533,7 +538,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         offload_time_s=offload_s,
         checkpoint_write_s=write_s, cluster_mtbf_s=mtbf_s, young_s=res.young_interval_s(write_s, mtbf_s),
         daly_s=res.daly_interval_s(write_s, mtbf_s), warnings=tuple(warnings), notes=tuple(notes),
-        bubble_inputs=_bubble_inputs(train), moe=moe, cp=cp_report, activation_offload=act_offload,
+        bubble_inputs=_bubble_inputs(train), moe=moe, cp=cp_report, activation_offload=act_offload, capacity=checks,
     )  # fmt: skip
 
 

@@ -6,11 +6,13 @@ the experts' share of the model state and a ``moe`` section; a dense plan render
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning_v17.config import OptimizerKind, Precision, Tier
 from lightning_v17.config.schedules import schedule_info
 from lightning_v17.planner import memory as mem
+from lightning_v17.planner.capacity import TierCheck, capacity_checks
 from lightning_v17.planner.model_search import MaxModel
 from lightning_v17.planner.plan import Plan
 
@@ -96,6 +98,10 @@ def bucket_rows(plan: Plan) -> list[tuple[str, int, str]]:
     return rows
 
 
+def _checks(plan: Plan) -> tuple[TierCheck, ...]:
+    return plan.capacity or capacity_checks(plan.memory.tiers, plan.cluster, gpus=plan.layout.gpus)
+
+
 def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: bool = False) -> str:
     """The human report: header, bars, comm/bubble/FLOPs lines, recommendation and warnings."""
     lay, acc, m = plan.layout, plan.cluster.accelerator, plan.memory
@@ -144,11 +150,15 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
                    f"{moe.num_experts} routed experts per MoE block on each rank (ep={moe.ep}), {kept}; dense part "
                    f"{fmt_bytes(m.model_state - m.experts.total)}")
     t = m.tiers
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    verdict = "fits" if _checks(plan)[0].fits else "DOES NOT FIT"  # the device; the node's tiers: next line
     usable = plan.cluster.usable_memory_bytes
     out.append(f"{'total':<14} {fmt_bytes(m.total)}: gpu {fmt_bytes(t.gpu)} of {fmt_bytes(usable)} usable "
                f"({fmt_bytes(acc.memory_bytes)} less a {plan.cluster.memory_reserve:.0%} reserve) ({verdict}), "
                f"cpu {fmt_bytes(t.cpu)}, nvme {fmt_bytes(t.nvme)}")
+    node = [c for c in _checks(plan) if c.tier != "device"]
+    out.append(f"{'per node':<14} {node[0].ranks} rank{'s' * (node[0].ranks > 1)}: " + ", ".join(
+        f"{c.tier} {fmt_bytes(c.need_bytes)} of {fmt_bytes(c.capacity_bytes)} ({c.source}) "
+        f"({'fits' if c.fits else 'DOES NOT FIT'})" for c in node))
     out.append("")
     out.append(f"comm    : {fmt_bytes(plan.comm_bytes_per_step)} per step per rank, "
                f"~{fmt_seconds(plan.comm_time_s)} if not overlapped")
@@ -194,13 +204,15 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
         if max_model is None:
             out.append("max model: nothing fits with this layout")
         elif not max_model.bounded:
-            out.append("max model: no device-memory limit with this layout (all model state is offloaded; the "
-                       "host/NVMe capacity is the limit)")
+            out.append("max model: no limit below 10^15 parameters with this layout (all model state is offloaded "
+                       "and the host memory and NVMe hold it)")
         else:
             depth = f" ({max_model.layers} layers)" if max_model.layers is not None else ""
+            limit = f"; one more is refused by the {max_model.limited_by}" if max_model.limited_by else ""
             out.append(f"max model: {fmt_count(max_model.params)} params{depth} fit in "
                        f"{fmt_bytes(plan.cluster.usable_memory_bytes)} "
-                       f"per rank with this layout ({fmt_bytes(max_model.gpu_bytes)} used)")
+                       f"per rank with this layout ({fmt_bytes(max_model.gpu_bytes)} used{limit}), and in the "
+                       "node's host memory and NVMe")
     out.append("")
     rec = plan.recommendation
     rec_ep = f" ep={rec.ep}" if plan.moe is not None else ""
@@ -251,6 +263,10 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
         },
         "tiers": {"gpu_bytes": m.tiers.gpu, "cpu_bytes": m.tiers.cpu, "nvme_bytes": m.tiers.nvme},
         "fits": plan.fits,
+        "capacity": {"ranks_per_node": _checks(plan)[-1].ranks,
+                     "does_not_fit": [c.tier for c in _checks(plan) if not c.fits],
+                     "nvme_path": os.path.abspath(plan.cluster.nvme_path),
+                     **{c.tier: c.to_dict() for c in _checks(plan)}},
         "comm": {
             "bytes_per_step": plan.comm_bytes_per_step,
             "time_s_if_not_overlapped": plan.comm_time_s,
@@ -297,7 +313,7 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
     if max_model_asked:
         out["max_model"] = (None if max_model is None else
                             {"params": max_model.params, "layers": max_model.layers, "gpu_bytes": max_model.gpu_bytes,
-                             "bounded": max_model.bounded})
+                             "bounded": max_model.bounded, "limited_by": max_model.limited_by})
     return out
 
 

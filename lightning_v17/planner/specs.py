@@ -5,6 +5,7 @@ resolves what they leave unset.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from lightning_v17.config import (
     V17ConfigError,
     ZeroPolicy,
 )
+from lightning_v17.planner import capacity
 from lightning_v17.planner.hardware import Accelerator, get_accelerator
 from lightning_v17.planner.model import ModelShape
 from lightning_v17.planner.pipeline import OpTimes
@@ -77,6 +79,14 @@ class ClusterSpec:
             whatever else a process holds). A plan "fits" when its device bytes stay within the rest
             (:attr:`usable_memory_bytes`). Default 0.1: 8 GB of an 80 GB H100, about what a CUDA context
             (~0.5-1 GB), NCCL buffers (~1-2 GB) and a few percent of fragmentation take. 0 plans to the last byte.
+        host_memory_gb: host memory of one node, GB (1e9 bytes), shared by the node's ranks' cpu-tier bytes (and on
+            ``cpu``, where the device is the host, by their device bytes too). None: on ``cpu`` this machine's
+            memory (``os.sysconf``, /proc/meminfo's MemTotal); else 250 GB per device of the node, the 2 TB of an
+            8-GPU DGX H100/H200 or DGX A100 640GB (:data:`~lightning_v17.planner.capacity.SERVER_HOST_BYTES_PER_DEVICE`).
+        nvme_capacity_gb: NVMe space of one node for the nvme tier, GB, shared by the node's ranks. None: the free
+            space at ``nvme_path`` on this machine.
+        nvme_path: the directory the nvme tier writes to (``OffloadPolicy``'s NVMe path); its free space is the
+            default ``nvme_capacity_gb``. Default: the current directory.
     """
 
     gpu: str = "h100-80gb"
@@ -87,8 +97,16 @@ class ClusterSpec:
     storage_gbps: float = 5.0
     node_mtbf_hours: float = 6000.0
     memory_reserve: float = 0.1
+    host_memory_gb: float | None = None
+    nvme_capacity_gb: float | None = None
+    nvme_path: str = "."
 
     def __post_init__(self) -> None:
+        _positive("host_memory_gb", self.host_memory_gb, kind=float)
+        _positive("nvme_capacity_gb", self.nvme_capacity_gb, kind=float)
+        if self.nvme_capacity_gb is None and not os.path.isdir(self.nvme_path):
+            raise V17ConfigError(f"nvme_path={self.nvme_path!r} is not a directory: give the directory on the NVMe "
+                                 "drive the nvme tier writes to (--nvme-path), or its size (--nvme-capacity GB)")
         if not (isinstance(self.memory_reserve, (int, float)) and 0 <= self.memory_reserve <= 0.9):
             raise V17ConfigError(f"memory_reserve={self.memory_reserve!r} must be a fraction in [0, 0.9]")
         get_accelerator(self.gpu)
@@ -105,6 +123,38 @@ class ClusterSpec:
     def usable_memory_bytes(self) -> int:
         """Device bytes a plan may use: the accelerator's memory less ``memory_reserve``."""
         return int(self.accelerator.memory_bytes * (1.0 - self.memory_reserve))
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """Host memory of one node (``host_memory_gb``, or its default: see the class docstring)."""
+        if self.host_memory_gb is not None:
+            return int(self.host_memory_gb * 1e9)
+        if self.accelerator.name == "cpu":
+            return capacity.machine_memory_bytes()
+        return capacity.SERVER_HOST_BYTES_PER_DEVICE * (self.gpus_per_node or self.accelerator.gpus_per_node)
+
+    @property
+    def host_memory_source(self) -> str:
+        """Where :attr:`host_memory_bytes` comes from, for the report."""
+        if self.host_memory_gb is not None:
+            return "--host-memory"
+        if self.accelerator.name == "cpu":
+            return "this machine's memory"
+        return "default: a DGX's 250 GB per device; --host-memory"
+
+    @property
+    def nvme_capacity_bytes(self) -> int:
+        """NVMe space of one node (``nvme_capacity_gb``, or the free space at ``nvme_path``)."""
+        if self.nvme_capacity_gb is not None:
+            return int(self.nvme_capacity_gb * 1e9)
+        return capacity.free_disk_bytes(self.nvme_path)
+
+    @property
+    def nvme_capacity_source(self) -> str:
+        """Where :attr:`nvme_capacity_bytes` comes from, for the report."""
+        if self.nvme_capacity_gb is not None:
+            return "--nvme-capacity"
+        return f"free at {os.path.abspath(self.nvme_path)}"
 
 
 @dataclass(frozen=True)
