@@ -198,8 +198,6 @@ def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: Train
     )  # fmt: skip
 
 
-
-
 def _activation_offload(
     units: list[nn.Module],
     policy: TrainingPolicy,

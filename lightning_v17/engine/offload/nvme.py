@@ -10,7 +10,8 @@
   reads ahead of use and write-back overlap the optimizer's compute). The offload engines log the backend in use
   and the reason once.
 * **Checks before step 0.** :func:`check_nvme_path`: the path exists, is a writable directory, and has room for the
-  bytes the planner puts there plus a margin; each failure names the option and the fix.
+  bytes the planner puts there plus a margin; each failure names the option and the fix. Then
+  :func:`check_node_capacity`: the ranks of one host that offload to one drive need room for all their bytes together.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import mmap
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 import weakref
@@ -33,7 +35,8 @@ import torch
 from lightning_v17.config import V17ConfigError
 
 __all__ = [
-    "NvmeFileSet", "ThreadPoolIO", "check_nvme_path", "free_margin_bytes", "host_buffer", "submit_io",
+    "NvmeFileSet", "ThreadPoolIO", "check_node_capacity", "check_nvme_path", "free_margin_bytes", "host_buffer",
+    "submit_io",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,44 @@ def check_nvme_path(path: str | os.PathLike | None, *, need_bytes: int = 0, opti
                 "lower OffloadPolicy(optimizer_ratio=...), or use OffloadPolicy(optimizer='cpu')"
             )
     return p
+
+
+def check_node_capacity(
+    path: str | os.PathLike, need_bytes: int, *, held_bytes: int = 0, option: str = "OffloadPolicy(nvme_path=...)"
+) -> None:
+    """Refuse, before step 0, a drive that holds one rank's offloaded bytes but not those of every rank of its host.
+
+    Every rank calls this at the same point of setup (one ``all_gather_object`` over the default group): the ranks
+    on this host whose ``path`` is on the same file system add their ``need_bytes``; the drive's free space now,
+    plus the ``held_bytes`` their tier files already occupy (counted in the need, no longer free), must hold the sum
+    and :func:`free_margin_bytes`' margin. Without a process group of more than one rank :func:`check_nvme_path`'s
+    per-rank check is the whole check.
+
+    Raises:
+        V17ConfigError: naming the path, its free space, the ranks and their bytes, and the fixes.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    p = Path(path)
+    key = (socket.gethostname(), os.stat(p).st_dev)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (key, int(need_bytes), int(held_bytes)))
+    mine = [(need, held) for k, need, held in every if k == key]
+    total = sum(need for need, _ in mine)
+    if total == 0:
+        return
+    free = shutil.disk_usage(p).free + sum(held for _, held in mine)
+    if free < free_margin_bytes(total):
+        gib = 2**30
+        raise V17ConfigError(
+            f"{option}: {str(path)!r} has {free / gib:.2f} GiB free for the offload, but the {len(mine)} ranks on "
+            f"this host offload {total / gib:.2f} GiB there together (this rank {int(need_bytes) / gib:.2f} GiB; "
+            f"{free_margin_bytes(total) / gib:.2f} GiB with a {MARGIN_FRACTION:.0%} + {MARGIN_BYTES // 2**20} MiB "
+            "margin); free space, give the ranks nvme_path directories on different drives, use more nodes, lower "
+            "OffloadPolicy(optimizer_ratio=...), or offload to 'cpu'"
+        )
 
 
 #: buffers of at least this many bytes get their own anonymous mapping (host_buffer)
@@ -252,6 +293,10 @@ class NvmeFileSet:
     def disk_bytes(self) -> int:
         """Bytes of the files in this rank's folder now."""
         return sum(f.stat().st_size for f in self.folder.iterdir()) if self.folder.exists() else 0
+
+    def allocated_bytes(self) -> int:
+        """Bytes the drive has given this rank's files now (sparse files count only what was written)."""
+        return sum(f.stat().st_blocks * 512 for f in self.folder.iterdir()) if self.folder.exists() else 0
 
     @property
     def closed(self) -> bool:

@@ -223,6 +223,12 @@ class ZeroBackend:
                                host_memory=host_memory)
                 for opt in optimizers
             ]  # fmt: skip
+            if nvme_tier:  # the ranks of one host share its drive: room for all of their bytes, before step 0
+                from lightning_v17.engine.offload.nvme import check_node_capacity
+
+                tiers = [t for t in (params, *self.offloads) if getattr(t, "files", None) is not None]
+                need = (params.nvme_bytes if params is not None else 0) + sum(o.planned_nvme_bytes for o in self.offloads)
+                check_node_capacity(offload.nvme_path, need, held_bytes=sum(t.files.allocated_bytes() for t in tiers))
         from lightning_v17.optim.local_step import enable_local_step
 
         for opt in optimizers:
