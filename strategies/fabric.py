@@ -1,0 +1,359 @@
+"""V17FabricStrategy: ZeRO-1/2/3 and tensor parallelism under Lightning Fabric, a thin adapter over ``lightning_v17.engine``.
+
+The front door is V17Strategy's: the same argument names, parsed by the same functions (``_options.build_policy``,
+``_options.parallel_dims``, ``engine.parallelize.check_composition``); the model goes through the same one engine call
+(:func:`lightning_v17.engine.parallelize.parallelize`) on the same mesh (:func:`lightning_v17.mesh.build_device_mesh`).
+What Fabric does not run yet is refused with a :class:`~lightning_v17.config.V17ConfigError` that names it, at
+construction or at the call, never silently ignored (``docs/fabric.md``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import ReduceOp, _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning_v17.strategies._collectives import init_world
+from lightning_v17.strategies._options import _changed, build_policy, check_hang_timeout, parallel_dims
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_v17.config import (
+    CPPolicy,
+    EPPolicy,
+    FP8Policy,
+    OffloadPolicy,
+    PipelinePolicy,
+    Recompute,
+    TPPolicy,
+    TrainingPolicy,
+    V17ConfigError,
+    ZeroPolicy,
+)
+from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize, parallelized
+from lightning_v17.engine.precision.clip import clip_grad_norm_
+from lightning_v17.engine.zero.backend import ZeroBackend
+from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
+
+__all__ = ["V17FabricStrategy"]
+
+
+def _not_yet(feature: str, fix: str = "") -> V17ConfigError:
+    return V17ConfigError(f"{feature} is not available under Fabric yet (V17FabricStrategy){'; ' + fix if fix else ''}")
+
+
+def refuse_unsupported(policy: TrainingPolicy, *, dp_replicate: int, hang_timeout: float | None,
+                       loss_normalization: str) -> None:  # fmt: skip
+    """Every option this strategy does not run yet, refused at construction with the feature's name.
+
+    Raises:
+        V17ConfigError: naming the first such option.
+    """
+    checks = [
+        (not policy.zero.shards_optimizer, "ZeRO-0 (zero_stage=0)", "use Fabric's strategy='ddp'"),
+        (policy.zero.meta_init, "zero.meta_init=True", ""),
+        (policy.pipeline.size > 1, f"pipeline parallelism (pp={policy.pipeline.size})", ""),
+        (policy.context.size > 1, f"context parallelism (cp={policy.context.size})", ""),
+        (policy.expert.size > 1, f"expert parallelism (ep={policy.expert.size})", ""),
+        (dp_replicate != 1, f"HSDP (dp_replicate={dp_replicate})", ""),
+        (policy.offload != OffloadPolicy(), f"offload ({_changed(policy.offload, OffloadPolicy)})", ""),
+        (policy.fp8 is not None, "fp8", ""),
+        (policy.recompute != Recompute.NONE, f"activation_checkpointing={policy.recompute.value!r}", ""),
+        (policy.tensor_parallel.sequence_parallel, "TPPolicy(sequence_parallel=True)", ""),
+        (policy.tensor_parallel.vocab_parallel, "TPPolicy(vocab_parallel=True)", ""),
+        (policy.tensor_parallel.loss_parallel, "TPPolicy(loss_parallel=True)", ""),
+        (policy.precision is not None, "the config's bf16/fp16 block", "give Fabric(precision=...) instead"),
+        (policy.loss_scale is not None, "the config's loss scaling", ""),
+        (policy.gradient_clipping is not None, "the config's gradient_clipping", "call fabric.clip_gradients"),
+        (policy.gradient_accumulation_steps is not None, "the config's gradient_accumulation_steps",
+         "accumulate with fabric.no_backward_sync"),
+        (policy.micro_batch_size is not None or policy.train_batch_size is not None, "the config's batch keys", ""),
+        (hang_timeout is not None, "hang_timeout (the step watchdog)", ""),
+        (loss_normalization != "rank_mean", f"loss_normalization={loss_normalization!r}",
+         "under Fabric the loss is the one your code computes (each rank's mean, as with 'ddp'): leave it 'rank_mean'"),
+    ]  # fmt: skip
+    for bad, feature, fix in checks:
+        if bad:
+            raise _not_yet(feature, fix)
+
+
+class _V17BackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the applied ZeRO stage accumulates without communicating (stages 1-2: the
+    engine's reduction is deferred to the next synchronised backward; stage 3: FSDP2's
+    ``set_requires_gradient_sync(False)``), through :meth:`ZeroBackend.no_sync`."""
+
+    def __init__(self, strategy: V17FabricStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        return self._strategy.zero.no_sync()
+
+
+class V17FabricStrategy(ParallelStrategy):
+    """ZeRO-1/2/3 and tensor parallelism (tp) on V17's device mesh, for ``lightning.fabric.Fabric``.
+
+    ``Fabric(accelerator="cpu", devices=2, strategy=V17FabricStrategy(zero_stage=3))``, then ``fabric.setup(model,
+    optimizer)`` (or ``setup_module`` and then ``setup_optimizers``), ``fabric.backward``, ``fabric.clip_gradients(...,
+    max_norm=...)`` (the global norm over the ZeRO shards and the tp pieces) and ``fabric.no_backward_sync``.
+
+    Args: as :class:`~lightning_v17.strategies.V17Strategy`'s, of which these run under Fabric: ``zero_stage`` 1-3
+    (or ``zero=ZeroPolicy(...)``), ``dp_shard``, ``tp`` (a size or ``TPPolicy(size=..., plan=...)``; without a plan,
+    the model's own), ``config`` (its ZeRO section), ``process_group_backend`` and ``timeout``. Pipeline, context and
+    expert parallelism, HSDP, offload, fp8, activation checkpointing, sequence/vocab/loss parallel tp, the config's
+    precision, clipping, accumulation and batch keys, ``hang_timeout`` and ``loss_normalization="tokens"`` are refused
+    with a :class:`~lightning_v17.config.V17ConfigError` (the loss is the one the user's loop computes: each rank's
+    mean, as under Fabric's ``"ddp"``).
+    """
+
+    def __init__(
+        self,
+        zero_stage: int | None = None,
+        activation_checkpointing: str | None = None,
+        dp_replicate: int = 1,
+        dp_shard: int | str = "auto",
+        tp: int | TPPolicy = 1,
+        pp: int | PipelinePolicy = 1,
+        cp: int | CPPolicy = 1,
+        ep: int | EPPolicy = 1,
+        zero: ZeroPolicy | None = None,
+        offload: OffloadPolicy | None = None,
+        fp8: FP8Policy | str | None = None,
+        config: str | Path | dict | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        hang_timeout: float | None = None,
+        loss_normalization: str = "rank_mean",
+    ) -> None:
+        super().__init__()  # accelerator, devices, cluster environment, precision: set by Fabric's connector
+        self.policy = build_policy(zero_stage=zero_stage, activation_checkpointing=activation_checkpointing, tp=tp,
+                                   pp=pp, cp=cp, ep=ep, zero=zero, offload=offload, fp8=fp8, config=config)  # fmt: skip
+        self.dims = parallel_dims(self.policy, dp_replicate=dp_replicate, dp_shard=dp_shard)
+        check_composition(self.policy, self.dims)
+        refuse_unsupported(self.policy, dp_replicate=dp_replicate, hang_timeout=check_hang_timeout(hang_timeout),
+                           loss_normalization=loss_normalization)  # fmt: skip
+        self._process_group_backend, self._timeout = process_group_backend, timeout
+        self._mesh: MeshRuntime | UnsetMesh = UnsetMesh()
+        self._parallel: Parallelized | None = None
+        self._num_nodes = 1
+        self._backward_sync_control = _V17BackwardSyncControl(self)
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        """Fabric's aliases: ``Fabric(strategy="v17_zero3")`` (and ``"v17"``, ZeRO-3; ``"v17_zero1"``/``"v17_zero2"``)."""
+        registry.register("v17", cls, description="V17 ZeRO-3 (FSDP2) on a device mesh, under Fabric", zero_stage=3)
+        for stage in (1, 2, 3):
+            registry.register(f"v17_zero{stage}", cls, description=f"V17 ZeRO stage {stage} under Fabric",
+                              zero_stage=stage)  # fmt: skip
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def mesh(self) -> MeshRuntime:
+        """The live mesh. Reading it before ``setup_environment`` raises (see :class:`~lightning_v17.mesh.UnsetMesh`)."""
+        if isinstance(self._mesh, UnsetMesh):
+            _ = self._mesh.spec  # raises the explanatory error
+        return self._mesh  # type: ignore[return-value]
+
+    @property
+    def parallel(self) -> Parallelized | None:
+        """What ``parallelize`` did to the model (None before ``fabric.setup``)."""
+        return self._parallel
+
+    @property
+    def zero(self) -> ZeroBackend:
+        """The applied ZeRO stage (ask it what is sharded, how to sync)."""
+        if self._parallel is None:
+            raise RuntimeError("strategy.zero exists after fabric.setup(model) has parallelized the model")
+        return self._parallel.zero
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp = self.mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    # ------------------------------------------------------------------ launch and environment
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.precision.precision != "32-true":
+            raise _not_yet(f"precision={self.precision.precision!r}", "use Fabric(precision='32-true')")
+        reset_seed()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._process_group_backend = init_world(
+            self.cluster_environment, self._process_group_backend, device=self.root_device, rank=self.global_rank,
+            world_size=self.world_size, timeout=self._timeout,
+        )  # fmt: skip
+        spec = self.dims.mesh(self.world_size)
+        self._mesh = MeshRuntime(spec, build_device_mesh(spec, device_type=self.root_device.type))
+
+    # ------------------------------------------------------------------ model and optimizers
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """One engine call, :func:`~lightning_v17.engine.parallelize.parallelize`, as V17Strategy's ``_setup_model``."""
+        if self._parallel is not None or parallelized(module) is not None:
+            raise _not_yet("a second model (or the same one set up twice) on one V17FabricStrategy")
+        spec, tp_plan = self.mesh.spec, None
+        if spec.tp > 1:
+            from lightning_v17.models.tp_plans import resolve_tp_plan
+
+            tp_plan = resolve_tp_plan(module, explicit=self.policy.tensor_parallel.plan)
+        self._parallel = parallelize(module, mesh=self.mesh, policy=self.policy, device=self.root_device,
+                                     tp_plan=tp_plan)  # fmt: skip
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        """``fabric.setup(model, optimizer)``: the optimizers were built on the model's parameters before TP and
+        FSDP2 replaced them (with DTensors); their parameter groups are pointed at the new ones by name, then
+        partitioned as ``setup_optimizer`` does."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        for opt in optimizers:
+            if opt.state:
+                raise _not_yet("an optimizer that has stepped before fabric.setup", "set it up before its first step")
+            if any(id(p) not in names for g in opt.param_groups for p in g["params"]):
+                raise V17ConfigError("fabric.setup(model, optimizer): the optimizer holds parameters not in the model")
+        module = self.setup_module(module)
+        new = dict(module.named_parameters())
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["params"] = [new[names[id(p)]] for p in group["params"]]
+        return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Partition the optimizer over the ZeRO shards (stages 1-2) or plan its step (stage 3), as V17Strategy's
+        ``setup`` does (:meth:`ZeroBackend.prepare_optimizers`)."""
+        self.zero.prepare_optimizers([optimizer], offload=self.policy.offload)
+        return optimizer
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        module.to(self.root_device)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        if empty_init:
+            raise _not_yet("fabric.init_module(empty_init=True)", "build the model with real tensors")
+        stack = ExitStack()
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    # ------------------------------------------------------------------ step
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        with self.zero.backward_context():
+            super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, **kwargs)
+        self.zero.after_optimizer_step(optimizer)  # stages 1-2: this optimizer's parameters made whole again
+        return out
+
+    @override
+    def clip_gradients_norm(
+        self, module: Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:  # fmt: skip
+        """The global L2 norm over every rank's shards and tp pieces (V17Strategy's ``ShardedClipping``; torch's
+        ``clip_grad_norm_`` would see only this rank's shards), then scaled in place; returns the norm before it."""
+        if float(norm_type) != 2.0:
+            raise _not_yet(f"clip_gradients(norm_type={norm_type})", "only the L2 norm (norm_type=2) is")
+        self.precision.unscale_gradients(optimizer)
+        params = list(self.precision.main_params(optimizer))
+        mesh, zero = self.mesh, self.zero
+        tp = mesh.spec.tp > 1
+        norm = clip_grad_norm_(
+            params, float(max_norm), group=zero.shard_group, sharded=zero.grad_norm_over_shards,
+            tp_sharded=[zero.is_tp_sharded(p) for p in params] if tp else None,
+            tp_group=mesh.group("tp") if tp else None,
+        )  # fmt: skip
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of the gradients is {float(norm)}, non-finite (error_if_nonfinite)")
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
+        raise _not_yet("fabric.clip_gradients(clip_val=...)", "clip by norm with max_norm=")
+
+    # ------------------------------------------------------------------ collectives over the world
+    @override
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    # ------------------------------------------------------------------ checkpoints: not yet
+    @override
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise _not_yet("fabric.save", "save from a Trainer with V17Strategy for now")
+
+    @override
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise _not_yet("fabric.load", "load from a Trainer with V17Strategy for now")
