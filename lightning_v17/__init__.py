@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # name -> module that defines it. Modules are imported on first attribute access.
 _EXPORTS: dict[str, str] = {
     "V17Strategy": "lightning_v17.strategies",
+    "V17FabricStrategy": "lightning_v17.strategies",
     "MeshSpec": "lightning_v17.config",
     "ZeroPolicy": "lightning_v17.config",
     "OffloadPolicy": "lightning_v17.config",

@@ -21,6 +21,7 @@ BEFORE: dict[str, list[str]] = {
         "TPPolicy",
         "TrainingPolicy",
         "V17ConfigError",
+        "V17FabricStrategy",
         "V17Strategy",
         "ZeroPolicy",
         "__version__"
