@@ -36,6 +36,7 @@ from lightning_v17.config import (
     EPPolicy,
     FP8Policy,
     OffloadPolicy,
+    ParallelDims,
     PipelinePolicy,
     Recompute,
     TPPolicy,
@@ -55,7 +56,7 @@ def _not_yet(feature: str, fix: str = "") -> V17ConfigError:
     return V17ConfigError(f"{feature} is not available under Fabric yet (V17FabricStrategy){'; ' + fix if fix else ''}")
 
 
-def refuse_unsupported(policy: TrainingPolicy, *, dp_replicate: int, hang_timeout: float | None,
+def refuse_unsupported(policy: TrainingPolicy, dims: ParallelDims, *, hang_timeout: float | None,
                        loss_normalization: str) -> None:  # fmt: skip
     """Every option this strategy does not run yet, refused at construction with the feature's name.
 
@@ -65,10 +66,10 @@ def refuse_unsupported(policy: TrainingPolicy, *, dp_replicate: int, hang_timeou
     checks = [
         (not policy.zero.shards_optimizer, "ZeRO-0 (zero_stage=0)", "use Fabric's strategy='ddp'"),
         (policy.zero.meta_init, "zero.meta_init=True", ""),
-        (policy.pipeline.size > 1, f"pipeline parallelism (pp={policy.pipeline.size})", ""),
-        (policy.context.size > 1, f"context parallelism (cp={policy.context.size})", ""),
-        (policy.expert.size > 1, f"expert parallelism (ep={policy.expert.size})", ""),
-        (dp_replicate != 1, f"HSDP (dp_replicate={dp_replicate})", ""),
+        (dims.pp > 1, f"pipeline parallelism (pp={dims.pp})", ""),
+        (dims.cp > 1, f"context parallelism (cp={dims.cp})", ""),
+        (dims.ep > 1, f"expert parallelism (ep={dims.ep})", ""),
+        (dims.dp_replicate != 1, f"HSDP (dp_replicate={dims.dp_replicate})", ""),
         (policy.offload != OffloadPolicy(), f"offload ({_changed(policy.offload, OffloadPolicy)})", ""),
         (policy.fp8 is not None, "fp8", ""),
         (policy.recompute != Recompute.NONE, f"activation_checkpointing={policy.recompute.value!r}", ""),
@@ -145,7 +146,7 @@ class V17FabricStrategy(ParallelStrategy):
                                    pp=pp, cp=cp, ep=ep, zero=zero, offload=offload, fp8=fp8, config=config)  # fmt: skip
         self.dims = parallel_dims(self.policy, dp_replicate=dp_replicate, dp_shard=dp_shard)
         check_composition(self.policy, self.dims)
-        refuse_unsupported(self.policy, dp_replicate=dp_replicate, hang_timeout=check_hang_timeout(hang_timeout),
+        refuse_unsupported(self.policy, self.dims, hang_timeout=check_hang_timeout(hang_timeout),
                            loss_normalization=loss_normalization)  # fmt: skip
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._mesh: MeshRuntime | UnsetMesh = UnsetMesh()
