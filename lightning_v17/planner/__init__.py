@@ -12,6 +12,7 @@ One concern per module, every formula a function with its units in its name and 
 - ``resilience``: checkpoint interval (Young 1974, Daly 2006).
 - ``moe``: mixture-of-experts arithmetic: expert parallelism, the experts' bytes, token dispatch traffic.
 - ``recipes``: the design outline's decision tree and anti-pattern warnings.
+- ``search``: every layout the rules accept, kept when it fits every tier, ranked by predicted time.
 - ``specs``: the input dataclasses; ``plan``: :func:`make_plan`; ``report``: text and JSON; ``cli``: ``v17 plan``.
 
 Nothing here imports torch (a test checks it), so ``v17 plan`` starts instantly on any machine.
@@ -30,6 +31,7 @@ from lightning_v17.planner.model import PRESETS, Arch, ModelShape, get_preset
 from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.plan import ClusterSpec, ModelSpec, Plan, TrainSpec, make_plan
 from lightning_v17.planner.resilience import daly_interval_s, young_interval_s
+from lightning_v17.planner.search import SearchResult, search
 from lightning_v17.planner.throughput import flops_per_token
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "ModelSpec",
     "ModelStateBytes",
     "Plan",
+    "SearchResult",
     "TrainSpec",
     "activation_bytes_per_layer",
     "daly_interval_s",
@@ -52,5 +55,6 @@ __all__ = [
     "max_model",
     "model_state_bytes_per_rank",
     "optimizer_bytes_per_param",
+    "search",
     "young_interval_s",
 ]

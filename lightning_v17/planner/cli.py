@@ -29,8 +29,11 @@ from lightning_v17.planner.hardware import ACCELERATORS
 from lightning_v17.planner.model import PLANNER_ONLY_PRESETS, PRESETS, Arch, ModelShape, get_preset, with_overrides
 from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.pipeline import OpTimes
-from lightning_v17.planner.plan import ClusterSpec, ModelSpec, TrainSpec, make_plan
+from lightning_v17.planner.plan import ClusterSpec, ModelSpec, Plan, TrainSpec, make_plan
 from lightning_v17.planner.report import render_text, to_dict
+from lightning_v17.planner.search import SearchResult, has_fixed_sizes, search
+from lightning_v17.planner.search import render as render_search
+from lightning_v17.planner.search import to_dict as search_dict
 
 #: Defaults that make a preset's plan describe its usual run. ``tiny`` is the CPU reference model that the main
 #: job (``make run``) trains on 2 CPU ranks in fp32 with ZeRO-3; ``tiny-moe`` is its mixture-of-experts sibling.
@@ -144,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory the nvme tier writes to; its free space is the default --nvme-capacity "
                         "(default: the current directory)")
     c.add_argument("--checkpoint-write-s", type=_positive_float, help="checkpoint write time (default: estimated)")
-    t = p.add_argument_group("layout and training (unset: chosen by the decision tree)")
+    t = p.add_argument_group("layout and training (unset: searched)")
     for flag in ("tp", "pp", "dp", "cp"):
         t.add_argument(f"--{flag}", type=_positive_int, help=f"{flag} size")
     t.add_argument("--cp-mode", default="auto",
@@ -188,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="assumed MFU without bubble or recomputation, for the step time (default 0.5)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    o.add_argument("--top", type=_positive_int, default=3,
+                   help="without fixed sizes: how many of the searched layouts to print (default 3)")
+    o.add_argument("--rule-of-thumb", action="store_true",
+                   help="plan the decision tree's layout (design §17.4) instead of searching")
+    o.add_argument("--allow-nvme-offload", action="store_true",
+                   help="without fixed sizes: let the search offload to NVMe too (default: cpu only)")
     o.add_argument("--max-model", action="store_true",
                    help="also report the largest model of this architecture that fits with this layout: device "
                         "memory per rank, host memory and NVMe per node")
@@ -278,13 +287,23 @@ def _op_times(text: str | None, cv: float) -> OpTimes | None:
     return OpTimes(*values, forward_cv=cv, backward_input_cv=cv, backward_weight_cv=cv)
 
 
+def planned(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec,
+            train: TrainSpec) -> tuple[Plan, SearchResult | None]:
+    """The plan ``v17 plan`` reports, and the search behind it: the layout the flags fix, the decision tree's with
+    ``--rule-of-thumb``, else the fastest searched layout that passes the rules and fits (the tree's when none does)."""
+    if has_fixed_sizes(train) or args.rule_of_thumb:
+        return make_plan(model, cluster, train), None
+    found = search(model, cluster, train, allow_nvme=args.allow_nvme_offload)
+    return found.best or found.rule_of_thumb, found
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``v17 plan``. Returns 0 on success, 2 on bad input (one line on stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(_glue_negative_values(argv))
         model, cluster, train = specs_from_args(args)
-        plan = make_plan(model, cluster, train)
+        plan, found = planned(args, model, cluster, train)
         biggest = max_model(plan) if args.max_model else None
         if args.emit_config is not None:
             from lightning_v17.planner.emit import write_config
@@ -301,9 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"v17 plan: error: {message}", file=sys.stderr)
         return 2
     if args.json:
-        text = json.dumps(to_dict(plan, biggest, max_model_asked=args.max_model), indent=2)
+        doc = to_dict(plan, biggest, max_model_asked=args.max_model)
+        if found is not None:
+            doc["search"] = search_dict(found, args.top)
+        text = json.dumps(doc, indent=2)
     else:
         text = render_text(plan, biggest, max_model_asked=args.max_model)
+        text += f"\n\n{render_search(found, args.top)}" if found is not None else ""
     try:
         print(text)
     except BrokenPipeError:  # `v17 plan ... | head`: the reader left; not an error

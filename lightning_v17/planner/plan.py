@@ -383,7 +383,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
         train = replace(train, dp=1)  # tp/pp/cp given without a world size: one data-parallel replica
 
     def state_fits(tp: int, pp: int) -> bool:
-        dp = (world // (tp * pp)) if world else (train.dp or 1)
+        dp = max(1, world // (tp * pp)) if world else (train.dp or 1)  # the tree shrinks tp·pp > world later
         st = mem.model_state_bytes_per_rank(num_params, zero=ZeroPolicy(stage=1), dp=dp, tp=tp, pp=pp)
         return st.total <= cluster.usable_memory_bytes / 2
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from lightning_v17.config import (
     FP8Policy,
@@ -73,10 +74,14 @@ class Recommendation:
     ep: int = 1
 
 
+#: the divisors of a model dim, once per dim (the layout search asks for the same dims many times)
+_divisors = lru_cache(maxsize=256)(divisors)
+
+
 def largest_tp(limit: int, *dims: int) -> int:
     """Largest divisor of ``limit`` (the node's TP budget) that divides every one of ``dims`` (heads, kv_heads,
     ffn), so that TP groups tile a node and shard every head evenly."""
-    common = set.intersection(*(set(divisors(d)) for d in dims)) if dims else set(divisors(limit))
+    common = set.intersection(*(set(_divisors(d)) for d in dims)) if dims else set(_divisors(limit))
     return max(d for d in common if limit % d == 0)
 
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from lightning_v17.config import MeshSpec, OffloadPolicy, Tier, V17ConfigError
-from lightning_v17.planner.cli import build_parser, main, specs_from_args
+from lightning_v17.planner.cli import build_parser, main, planned, specs_from_args
 from lightning_v17.planner.emit import (
     IMPLEMENTED_OFFLOAD_OPTIMIZER,
     IMPLEMENTED_OFFLOAD_PARAMS,
@@ -24,7 +24,6 @@ from lightning_v17.planner.emit import (
     emit_config,
     recorded_command,
 )
-from lightning_v17.planner.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny", "--gpu", "cpu", "--gpus", "2"]
@@ -36,7 +35,9 @@ def _v17() -> list[str]:
 
 
 def _plan(argv: list[str]):
-    return make_plan(*specs_from_args(build_parser().parse_args(argv)))
+    """The plan ``v17 plan argv`` emits: the searched layout unless the flags fix one."""
+    args = build_parser().parse_args(argv)
+    return planned(args, *specs_from_args(args))[0]
 
 
 def _emit(tmp_path: Path, argv: list[str]) -> tuple[str, dict]:
@@ -61,7 +62,8 @@ def _assert_matches_plan(doc: dict, plan) -> None:
     strategy = _strategy(doc)
     world = trainer["devices"] * trainer["num_nodes"]
     assert world == lay.gpus
-    assert strategy.resolve_mesh(world) == MeshSpec(pp=lay.pp, dp_replicate=1, dp_shard=lay.dp, cp=1, tp=lay.tp)
+    assert strategy.resolve_mesh(world) == MeshSpec(pp=lay.pp, dp_replicate=1, dp_shard=lay.dp, cp=lay.cp, tp=lay.tp,
+                                                    ep=lay.ep)
     assert strategy.zero_stage == lay.zero.stage
     assert strategy.policy.recompute == lay.recompute
     assert strategy.policy.tensor_parallel.sequence_parallel == (lay.sp and lay.tp > 1)
@@ -83,7 +85,7 @@ def test_tiny_cpu_plan_emits_the_recommended_layout(tmp_path):
     plan = _plan(TINY)
     _assert_matches_plan(doc, plan)
     assert doc["trainer"]["strategy"]["init_args"] == {  # tp=1, pp=1: no tensor_parallel or pipeline policy
-        "zero_stage": 3, "tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 2, "activation_checkpointing": "none",
+        "zero_stage": 1, "tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 2, "activation_checkpointing": "none",
     }  # fmt: skip
     assert (doc["trainer"]["devices"], doc["trainer"]["num_nodes"], doc["trainer"]["precision"]) == (2, 1, "32-true")
     assert doc["model"] == {"model": "tiny"}
@@ -122,7 +124,7 @@ def test_interleaved_and_accumulation_details(tmp_path):
     pipe = args["pp"]
     assert (pipe["size"], pipe["schedule"], pipe["virtual_stages"], pipe["microbatches"]) == (4, "interleaved_1f1b", 2, 8)
     assert doc["data"]["batch_size"] == 8 and "accumulate_grad_batches" not in doc["trainer"]
-    _, doc = _emit(tmp_path, ["--model", "llama3-8b", "--gpus", "16", "--global-batch", "64"])
+    _, doc = _emit(tmp_path, ["--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--rule-of-thumb"])
     assert doc["trainer"]["accumulate_grad_batches"] == 4 and doc["data"]["batch_size"] == 1
     assert doc["trainer"]["strategy"]["init_args"]["pp"] == 1  # pp=1: a plain size (options would warn)
 
@@ -223,7 +225,7 @@ def test_acceptance_plan_emit_then_fit_five_steps(tmp_path):
     assert plan.returncode == 0, plan.stderr
     assert "wrote x.yaml" in plan.stderr
     doc = yaml.safe_load((tmp_path / "x.yaml").read_text())
-    assert doc["trainer"]["strategy"]["init_args"]["zero_stage"] == 3
+    assert doc["trainer"]["strategy"]["init_args"]["zero_stage"] == 1  # the search's choice (ZeRO-1 beats ZeRO-3)
     fit = subprocess.run(
         [*_v17(), "fit", "--config", "x.yaml", "--trainer.max_steps", "5", "--trainer.limit_val_batches", "2",
          "--trainer.default_root_dir", str(tmp_path / "run")],

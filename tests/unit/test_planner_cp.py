@@ -116,7 +116,7 @@ def test_activations_per_rank_divide_by_cp_and_allgather_keeps_no_gathered_kv():
 
 
 def test_a_131072_token_plan_for_llama3_8b_on_8_h100_recommends_cp():
-    out = _plan("--model", "llama3-8b", "--gpus", "8", "--seq-len", "131072")
+    out = _plan("--model", "llama3-8b", "--gpus", "8", "--seq-len", "131072", "--rule-of-thumb")
     assert out["recommendation"]["cp"] > 1 and out["layout"]["cp"] == out["recommendation"]["cp"]
     assert out["fits"], out["tiers"]
     cp = out["layout"]["cp"]

@@ -278,7 +278,7 @@ def test_mixtral_on_16_gpus_json_has_the_moe_keys() -> None:
     z0 = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--zero-stage", "0")
     assert {c["name"]: c["axis"] for c in z0["comm"]["collectives"]}["edp all-reduce (expert grads)"] == "edp"
     # left unset, the tree picks FSDP + EP8 itself (experts are 97% of the parameters)
-    auto = _plan("--model", "mixtral-8x7b", "--gpus", "16")
+    auto = _plan("--model", "mixtral-8x7b", "--gpus", "16", "--rule-of-thumb")
     assert (auto["layout"]["ep"], auto["recommendation"]["ep"], auto["layout"]["tp"]) == (8, 8, 1)
 
 
@@ -314,5 +314,6 @@ def test_ep_with_tp_is_planned_without_a_rule_warning() -> None:
 def test_the_tree_keeps_ep_with_optimizer_offload_and_drops_it_with_parameter_offload() -> None:
     """The tree's recipe applies ep on layouts of data parallelism alone (its own scope: ep with parameter offload
     runs, tests/dist/test_ep_offload.py, and is planned when asked for with --ep)."""
-    assert _plan("--model", "mixtral-8x7b", "--gpus", "16", "--offload-optimizer", "cpu")["layout"]["ep"] == 8
-    assert _plan("--model", "mixtral-8x7b", "--gpus", "16", "--offload-params", "cpu")["layout"]["ep"] == 1
+    tree = ("--model", "mixtral-8x7b", "--gpus", "16", "--rule-of-thumb")
+    assert _plan(*tree, "--offload-optimizer", "cpu")["layout"]["ep"] == 8
+    assert _plan(*tree, "--offload-params", "cpu")["layout"]["ep"] == 1
