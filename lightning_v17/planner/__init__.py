@@ -31,7 +31,7 @@ from lightning_v17.planner.model import PRESETS, Arch, ModelShape, get_preset
 from lightning_v17.planner.model_search import max_model
 from lightning_v17.planner.plan import ClusterSpec, ModelSpec, Plan, TrainSpec, make_plan
 from lightning_v17.planner.resilience import daly_interval_s, young_interval_s
-from lightning_v17.planner.search import SearchResult, search
+from lightning_v17.planner.search import SearchResult
 from lightning_v17.planner.throughput import flops_per_token
 
 __all__ = [
@@ -55,6 +55,5 @@ __all__ = [
     "max_model",
     "model_state_bytes_per_rank",
     "optimizer_bytes_per_param",
-    "search",
     "young_interval_s",
 ]

@@ -128,3 +128,28 @@ def test_nothing_fits_names_the_changes_that_would():
 def test_fixed_sizes_plan_that_layout_and_skip_the_search():
     doc = json.loads(_cli("--model", "llama3-70b", "--gpus", "512", "--tp", "8", "--pp", "4", "--json"))
     assert "search" not in doc and (doc["layout"]["tp"], doc["layout"]["pp"]) == (8, 4)
+
+
+def test_a_layout_the_rules_refuse_is_never_a_candidate():
+    # fp8 rowwise with tp > 1 is refused by the rules table; without the filter it would rank first here
+    model, cluster, train = _specs("--model", "llama3-70b", "--gpus", "64", "--fp8", "rowwise")
+    result = search(model, cluster, train)
+    assert result.candidates and all(rule_failures(c.plan) == [] for c in result.candidates)
+    assert all(c.plan.layout.tp == 1 for c in result.candidates)
+
+
+@pytest.mark.parametrize("term", ["bubble", "recompute", "comm", "offload"])
+def test_the_reason_names_the_term_that_grows_most(term):
+    from dataclasses import replace
+
+    from lightning_v17.planner.search import Candidate
+
+    model, cluster, train = _specs("--model", "llama3-8b", "--gpus", "8")
+    best = search(model, cluster, train).candidates[0]
+    grown = {f"{name}_s": getattr(best.terms, f"{name}_s") + 0.1 for name in ("bubble", "recompute", "comm", "offload")}
+    grown[f"{term}_s"] += 1.0
+    loser = Candidate(best.plan, replace(best.terms, **grown))
+    assert loser.loses_to(best).endswith(
+        f"larger {term} ({1.1 / best.plan.layout.global_batch * 1e3:+.3g} ms per sample)"
+    )
+    assert best.loses_to(best) == "fastest"
