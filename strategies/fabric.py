@@ -324,7 +324,7 @@ class V17FabricStrategy(ParallelStrategy):
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
-        raise _not_yet("fabric.clip_gradients(clip_val=...)", "clip by norm with max_norm=")
+        raise _not_yet("fabric.clip_gradients(clip_val=...)", "clip by the gradients' norm: pass max_norm instead of clip_val")
 
     # ------------------------------------------------------------------ collectives over the world
     @override

@@ -92,8 +92,8 @@ def describe(plan: Plan) -> str:
     words = [f"tp={lay.tp}", pp, f"cp={lay.cp}", f"dp={lay.dp}"]
     words += [f"ep={lay.ep}"] if lay.ep > 1 else []
     words += [f"zero={lay.zero.stage}", f"recompute={lay.recompute.value}"]
-    words += [f"offload_optimizer={lay.offload_optimizer.value}"] if lay.offload_optimizer != Tier.NONE else []
-    words += [f"offload_params={lay.params_tier.value}"] if lay.params_tier != Tier.NONE else []
+    words += [f"OffloadPolicy(optimizer={lay.offload_optimizer.value!r})"] if lay.offload_optimizer != Tier.NONE else []
+    words += [f"OffloadPolicy(params={lay.params_tier.value!r})"] if lay.params_tier != Tier.NONE else []
     return " ".join(words)
 
 
