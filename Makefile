@@ -39,7 +39,7 @@ $(TOKENS)/stdlib-%.idx: $(STAMP)
 	$(VENV)/bin/v17 preprocess stdlib:$* --output $(TOKENS)/stdlib-$* --bos --workers 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests -m "not fault" --durations=25
+	$(PY) -m pytest -q tests -m "not fault" -n 2 --dist loadfile --durations=25
 
 # The longer fault-tolerance checks (a hung rank under torchrun, ~1 min; one of two torchrun agents killed and a new one
 # joining, 2 -> 1 -> 2 nodes, ~2 min; goodput against Young/Daly with one injected failure, ~2-3 min; SIGKILL with

@@ -37,4 +37,6 @@ def test_validation_between_batches_is_not_booked_as_data_wait(tmp_path) -> None
     trainer.fit(LM(), train_dataloaders=data, val_dataloaders=data)
     assert mon.last is not None and mon.last.steps == 8
     assert mon.last.seconds < 0.5, mon.last  # two validation runs (0.6 s) fell inside the window, not counted
-    assert mon.last.data_wait_share < 0.5, mon.last
+    # booked as data wait, the 0.6 s of validation would be ~97% of the window; the loader's own wait between
+    # millisecond steps reaches ~50% when another test runs beside this one (make test runs two workers)
+    assert mon.last.data_wait_share < 0.8, mon.last
