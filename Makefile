@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml constraints.txt
 # --ckpt_path last --trainer.max_steps 400.
 TOKENS := runs/tokens
 run: $(STAMP) $(TOKENS)/stdlib-train.idx $(TOKENS)/stdlib-val.idx
-	$(VENV)/bin/v17 plan --model tiny
+	$(VENV)/bin/v17 plan --config configs/tiny-cpu.yaml --config configs/tiny-cpu-tokens.yaml
 	$(VENV)/bin/v17 fit --config configs/tiny-cpu.yaml --config configs/tiny-cpu-tokens.yaml
 
 $(TOKENS)/stdlib-%.idx: $(STAMP)

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``v17 plan`` argument parser; its errors raise instead of exiting (see :func:`main`)."""
     p = _Parser(prog="v17 plan", description="Per-rank memory, communication, bubble, FLOPs and a recommended "
                 "layout for training a transformer. Every number cites its formula (lightning_v17/planner/).")
+    j = p.add_argument_group("a training job")
+    j.add_argument("--config", action="append", metavar="YAML",
+                   help="plan the job a `v17 fit` config trains (repeat it as for `v17 fit`; later files win): its "
+                        "model, devices, precision, V17Strategy layout, batch_size (the micro-batch), "
+                        "accumulate_grad_batches and seq_len; the model, layout and batch flags are then refused")
     g = p.add_argument_group("model (a preset, explicit shape flags, or --params)")
     g.add_argument("--model", help=f"preset: {', '.join([*PRESETS, *PLANNER_ONLY_PRESETS])}")
     g.add_argument("--params", type=_count, help="parameter count for model-state-only questions (7.5e9, 70B)")
@@ -160,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--precision", help="fp32, bf16-mixed, fp16-mixed, bf16-true or fp8 (default bf16-mixed)")
     t.add_argument("--fp8", help="V17Strategy's fp8 recipe: tensorwise, rowwise or delayed (default: off; tensorwise "
                    "with --precision fp8)")  # fmt: skip
-    t.add_argument("--micro-batch", type=_positive_int, default=1, help="samples per micro-batch (b)")
+    t.add_argument("--micro-batch", type=_positive_int, help="samples per micro-batch (b; default 1)")
     t.add_argument("--global-batch", type=_positive_int, help="samples per step over all replicas")
     t.add_argument("--microbatches", type=_positive_int, help="micro-batches per step per replica (m)")
     t.add_argument("--recompute", help="none, selective or full (default: the least that fits)")
@@ -241,10 +246,38 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
     raise _UsageError(f"give a model: --model {{{names}}}, the shape flags, or --params N")
 
 
+#: flags that say what ``--config`` already says (the job's model, world, layout and batch)
+_JOB_FLAGS = ("model", "params", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "gpus",
+              "gpus_per_node", "tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "precision", "fp8", "micro_batch",
+              "global_batch", "microbatches", "recompute", "schedule", "virtual_stages")  # fmt: skip
+_JOB_TIERS = ("offload_optimizer", "offload_params", "offload_activations")
+
+
+def _job_specs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
+    """``--config``: the job's model, world, layout and batch, with the other flags (links, capacities, mfu)."""
+    from lightning_v17.planner.job import job_specs, load_configs
+
+    given = [f"--{n.replace('_', '-')}" for n in _JOB_FLAGS if getattr(args, n) is not None]
+    given += [f"--{n.replace('_', '-')}" for n in _JOB_TIERS if getattr(args, n) != "none"]
+    given += ["--rule-of-thumb"] if args.rule_of_thumb else []
+    if given:
+        raise _UsageError(f"--config gives the job's model, layout and batch; drop {', '.join(given)} (or edit the "
+                          "YAML, or add another --config that overrides it)")
+    _, cluster, train = _specs_from_flags(args, job=True)
+    return job_specs(load_configs(args.config), cluster=cluster, train=train)
+
+
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
     """Map parsed flags onto the planner's input dataclasses (strings parsed once, into enums)."""
-    model = _model_spec(args)
-    defaults = PRESET_DEFAULTS.get(model.name, {}) if args.model is not None else {}
+    if args.config:
+        return _job_specs(args)
+    return _specs_from_flags(args)
+
+
+def _specs_from_flags(args: argparse.Namespace, *, job: bool = False) -> tuple[ModelSpec, ClusterSpec, TrainSpec]:
+    """The flags' specs; with ``job`` (``--config``) no model (the job's replaces it) and no preset defaults."""
+    model = None if job else _model_spec(args)
+    defaults = PRESET_DEFAULTS.get(model.name, {}) if model is not None and args.model is not None else {}
     gpus = args.gpus
     if gpus is None and args.dp is None and not (args.tp or args.pp or args.cp):
         gpus = defaults.get("gpus")
@@ -259,7 +292,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         zero=None if args.zero_stage is None else ZeroPolicy(stage=args.zero_stage),
         optimizer=OptimizerKind.parse(args.optimizer, "--optimizer"),
         precision=Precision.parse(args.precision or defaults.get("precision", "bf16-mixed"), "--precision"),
-        micro_batch=args.micro_batch, seq=args.seq, global_batch=args.global_batch, microbatches=args.microbatches,
+        micro_batch=args.micro_batch or 1, seq=args.seq, global_batch=args.global_batch, microbatches=args.microbatches,
         recompute=None if args.recompute is None else Recompute.parse(args.recompute, "--recompute"),
         schedule=None if args.schedule is None else Schedule.parse(args.schedule, "--schedule"),
         virtual_stages=args.virtual_stages,
@@ -270,7 +303,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, T
         mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s, op_times=_op_times(args.op_times, args.op_cv),
         p2p_time=args.p2p_time, ep=args.ep, cp_mode=CPMode.parse(args.cp_mode, "--cp-mode"),
     )  # fmt: skip
-    return model, cluster, train
+    return model, cluster, train  # type: ignore[return-value]  # model is None only for a job
 
 
 def _op_times(text: str | None, cv: float) -> OpTimes | None:
@@ -289,8 +322,11 @@ def _op_times(text: str | None, cv: float) -> OpTimes | None:
 
 def planned(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec,
             train: TrainSpec) -> tuple[Plan, SearchResult | None]:
-    """The plan ``v17 plan`` reports, and the search behind it: the layout the flags fix, the decision tree's with
+    """The plan ``v17 plan`` reports, and the search behind it: the job's layout with ``--config`` (and the search at
+    its batch), the layout the flags fix, the decision tree's with
     ``--rule-of-thumb``, else the fastest searched layout that passes the rules and fits (the tree's when none does)."""
+    if args.config:  # the job's layout, and beside it the search over layouts at the job's batch and sequence
+        return make_plan(model, cluster, train), search(model, cluster, train, allow_nvme=args.allow_nvme_offload)
     if has_fixed_sizes(train) or args.rule_of_thumb:
         return make_plan(model, cluster, train), None
     found = search(model, cluster, train, allow_nvme=args.allow_nvme_offload)
@@ -321,11 +357,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         doc = to_dict(plan, biggest, max_model_asked=args.max_model)
+        if args.config:
+            doc["job"] = list(args.config)
         if found is not None:
             doc["search"] = search_dict(found, args.top)
         text = json.dumps(doc, indent=2)
     else:
         text = render_text(plan, biggest, max_model_asked=args.max_model)
+        if args.config:
+            text = f"job     : {' + '.join(args.config)} (the layout and batch it trains)\n{text}"
         text += f"\n\n{render_search(found, args.top)}" if found is not None else ""
     try:
         print(text)
