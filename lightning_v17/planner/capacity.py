@@ -102,15 +102,16 @@ def capacity_checks(tiers: TierBytes, cluster: ClusterSpec, *, gpus: int) -> tup
     """Device, host and NVMe of one node against what its ranks put there.
 
     Device: per rank, within ``usable_memory_bytes`` (the reserve kept). Host: the cpu tier of all the node's
-    ranks; on ``cpu`` the device is the host too, so each rank's device and cpu-tier bytes share it. NVMe: the nvme
-    tier of all the node's ranks.
+    ranks, within ``usable_host_memory_bytes`` (its reserve kept); on ``cpu`` the device is the host too, so each
+    rank's device and cpu-tier bytes share it. NVMe: the nvme tier of all the node's ranks.
     """
     n = ranks_per_node(cluster, gpus)
     host_per_rank = tiers.cpu + (tiers.gpu if cluster.accelerator.name == "cpu" else 0)
     usable = cluster.usable_memory_bytes
     return (
         TierCheck("device", 1, tiers.gpu, tiers.gpu, usable, f"{cluster.accelerator.name} less the reserve"),
-        TierCheck("host", n, host_per_rank, n * host_per_rank, cluster.host_memory_bytes, cluster.host_memory_source),
+        TierCheck("host", n, host_per_rank, n * host_per_rank, cluster.usable_host_memory_bytes,
+                  cluster.host_memory_source),
         TierCheck("nvme", n, tiers.nvme, n * tiers.nvme, cluster.nvme_capacity_bytes, cluster.nvme_capacity_source),
     )
 

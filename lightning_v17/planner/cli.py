@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host-memory", type=_positive_float, metavar="GB",
                    help="host memory of one node in GB, shared by its ranks' cpu-tier bytes (on cpu also by their "
                         "device bytes) (default: on cpu this machine's memory; else 250 GB per device, 2 TB for 8)")
+    c.add_argument("--host-reserve", type=_non_negative_float, default=0.1,
+                   help="fraction of each node's host memory kept free for the OS, other processes and each rank's "
+                        "Python/torch runtime (default 0.1); a plan's host bytes fit within the rest")
     c.add_argument("--nvme-capacity", type=_positive_float, metavar="GB",
                    help="NVMe space of one node in GB for the nvme tier, shared by its ranks (default: the free "
                         "space at --nvme-path)")
@@ -285,7 +288,7 @@ def _specs_from_flags(args: argparse.Namespace, *, job: bool = False) -> tuple[M
         gpu=args.gpu or defaults.get("gpu", "h100-80gb"), gpus=gpus, gpus_per_node=args.gpus_per_node,
         pcie_gbps=args.pcie_gbps, nvme_gbps=args.nvme_gbps, storage_gbps=args.storage_gbps,
         node_mtbf_hours=args.node_mtbf_hours, memory_reserve=args.memory_reserve,
-        host_memory_gb=args.host_memory, nvme_capacity_gb=args.nvme_capacity, nvme_path=args.nvme_path,
+        host_memory_gb=args.host_memory, host_reserve=args.host_reserve, nvme_capacity_gb=args.nvme_capacity, nvme_path=args.nvme_path,
     )  # fmt: skip
     train = TrainSpec(
         tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp,

@@ -30,6 +30,7 @@ from lightning_v17.config import (
     TPPolicy,
     V17ConfigError,
 )
+from lightning_v17.planner import capacity as cap
 from lightning_v17.planner.plan import Plan
 from lightning_v17.planner.report import fmt_bytes, fmt_count
 
@@ -195,6 +196,22 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
     return {"class_path": STRATEGY_CLASS, "init_args": args}
 
 
+def strategy_section(plan: Plan) -> dict[str, Any]:
+    """``trainer.strategy`` of the emitted file alone (``class_path`` and ``init_args``): the layout as V17Strategy
+    takes it, for any shape, also one the reference model cannot build (the strategy does not depend on the model)."""
+    return _strategy(plan, [])
+
+
+def _tiers_line(plan: Plan) -> str:
+    """Every tier against its capacity (device per rank, host and NVMe per node) and whether the plan fits them all."""
+    checks = plan.capacity or cap.capacity_checks(plan.memory.tiers, plan.cluster, gpus=plan.layout.gpus)
+    words = [f"{c.tier} {fmt_bytes(c.need_bytes)} of {fmt_bytes(c.capacity_bytes)}"
+             + (f" ({c.ranks} ranks)" if c.ranks > 1 else "") for c in checks]  # fmt: skip
+    refused = [c.tier for c in checks if not c.fits]
+    verdict = "fits every tier" if not refused else f"DOES NOT FIT: {', '.join(refused)}"
+    return f"tiers: {'; '.join(words)}: {verdict}"
+
+
 def emit_config(plan: Plan) -> EmittedConfig:
     """The Lightning CLI config that runs ``plan`` with V17Strategy, LlamaLM and PackedDataModule.
 
@@ -241,10 +258,10 @@ def emit_config(plan: Plan) -> EmittedConfig:
         (f"  layout: tp={lay.tp} pp={lay.pp} dp={lay.dp}{f' ep={lay.ep}' if lay.ep > 1 else ''} zero={lay.zero.stage} sp={'on' if lay.sp else 'off'} "
          f"recompute={lay.recompute.value} schedule={lay.schedule.value if lay.pp > 1 else '-'} | "
          f"{lay.optimizer.value} {lay.precision.value}{f' fp8={lay.fp8.value}' if lay.fp8 else ''}"),
-        (f"  per-rank device memory: {fmt_bytes(gpu_bytes)} of {fmt_bytes(plan.cluster.usable_memory_bytes)} usable "
-         f"({fmt_bytes(acc.memory_bytes)} less a {plan.cluster.memory_reserve:.0%} reserve) "
-         f"({'fits' if plan.fits else 'DOES NOT FIT'}); cpu {fmt_bytes(plan.memory.tiers.cpu)}, "
-         f"nvme {fmt_bytes(plan.memory.tiers.nvme)}"),
+        (f"  device memory per rank: {fmt_bytes(gpu_bytes)} of {fmt_bytes(plan.cluster.usable_memory_bytes)} usable "
+         f"({fmt_bytes(acc.memory_bytes)} less a {plan.cluster.memory_reserve:.0%} reserve); offloaded per rank: "
+         f"cpu {fmt_bytes(plan.memory.tiers.cpu)}, nvme {fmt_bytes(plan.memory.tiers.nvme)}"),
+        f"  {_tiers_line(plan)}",
         (f"  batch: global {lay.global_batch} = dp {lay.dp} x micro-batch {lay.micro_batch} x m "
          f"{lay.microbatches}, seq {lay.seq} ({fmt_count(lay.global_batch * lay.seq)} tokens/step)"),
         *(f"  planner warning: {w}" for w in plan.warnings),
@@ -267,4 +284,5 @@ def write_config(path: str | Path, plan: Plan, *, command: str) -> Path:
     return out
 
 
-__all__ = ["COMMAND_PREFIX", "STRATEGY_CLASS", "EmittedConfig", "emit_config", "recorded_command", "write_config"]
+__all__ = ["COMMAND_PREFIX", "STRATEGY_CLASS", "EmittedConfig", "emit_config", "recorded_command", "strategy_section",
+           "write_config"]

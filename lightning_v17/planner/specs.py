@@ -83,6 +83,11 @@ class ClusterSpec:
             ``cpu``, where the device is the host, by their device bytes too). None: on ``cpu`` this machine's
             memory (``os.sysconf``, /proc/meminfo's MemTotal); else 250 GB per device of the node, the 2 TB of an
             8-GPU DGX H100/H200 or DGX A100 640GB (:data:`~lightning_v17.planner.capacity.SERVER_HOST_BYTES_PER_DEVICE`).
+        host_reserve: fraction of the node's host memory the plan leaves free, in [0, 0.9]: what the tiers do not
+            count (the operating system, other processes, the page cache that data loading reads through, and each
+            rank's Python/torch runtime, about 0.5-1 GB of resident memory per process before its first tensor). A
+            plan's host bytes must stay within the rest (:attr:`usable_host_memory_bytes`). Default 0.1: 2.4 GB of a
+            24 GB development machine, 200 GB of a 2 TB DGX. 0 plans to the last byte.
         nvme_capacity_gb: NVMe space of one node for the nvme tier, GB, shared by the node's ranks. None: the free
             space at ``nvme_path`` on this machine.
         nvme_path: the directory the nvme tier writes to (``OffloadPolicy``'s NVMe path); its free space is the
@@ -98,6 +103,7 @@ class ClusterSpec:
     node_mtbf_hours: float = 6000.0
     memory_reserve: float = 0.1
     host_memory_gb: float | None = None
+    host_reserve: float = 0.1
     nvme_capacity_gb: float | None = None
     nvme_path: str = "."
 
@@ -109,6 +115,8 @@ class ClusterSpec:
                                  "drive the nvme tier writes to (--nvme-path), or its size (--nvme-capacity GB)")
         if not (isinstance(self.memory_reserve, (int, float)) and 0 <= self.memory_reserve <= 0.9):
             raise V17ConfigError(f"memory_reserve={self.memory_reserve!r} must be a fraction in [0, 0.9]")
+        if not (isinstance(self.host_reserve, (int, float)) and 0 <= self.host_reserve <= 0.9):
+            raise V17ConfigError(f"host_reserve={self.host_reserve!r} must be a fraction in [0, 0.9]")
         get_accelerator(self.gpu)
         _positive("gpus", self.gpus)
         _positive("gpus_per_node", self.gpus_per_node)
@@ -134,13 +142,20 @@ class ClusterSpec:
         return capacity.SERVER_HOST_BYTES_PER_DEVICE * (self.gpus_per_node or self.accelerator.gpus_per_node)
 
     @property
+    def usable_host_memory_bytes(self) -> int:
+        """Host bytes a plan may use on one node: :attr:`host_memory_bytes` less ``host_reserve``."""
+        return int(self.host_memory_bytes * (1.0 - self.host_reserve))
+
+    @property
     def host_memory_source(self) -> str:
-        """Where :attr:`host_memory_bytes` comes from, for the report."""
+        """Where :attr:`usable_host_memory_bytes` comes from, for the report."""
         if self.host_memory_gb is not None:
-            return "--host-memory"
-        if self.accelerator.name == "cpu":
-            return "this machine's memory"
-        return "default: a DGX's 250 GB per device; --host-memory"
+            where = "--host-memory"
+        elif self.accelerator.name == "cpu":
+            where = "this machine's memory"
+        else:
+            where = "default: a DGX's 250 GB per device; --host-memory"
+        return f"{where}, less a {self.host_reserve:.0%} reserve" if self.host_reserve else where
 
     @property
     def nvme_capacity_bytes(self) -> int:

@@ -67,12 +67,13 @@ def test_nvme_capacity_defaults_to_the_free_space_at_nvme_path(capsys, tmp_path)
 def test_cpu_ranks_share_one_host(capsys):
     # On --gpu cpu the device is the host: each rank's device bytes and its cpu tier (the gradients, 2Ψ/2 = Ψ,
     # with the optimizer offloaded) share the one host with the other rank.
-    out = _plan(capsys, *EXAMPLE, "--host-memory", "23", "--nvme-capacity", "1000")
+    out = _plan(capsys, *EXAMPLE, "--host-memory", "25", "--nvme-capacity", "1000")
     gpu = out["tiers"]["gpu_bytes"]
     assert out["tiers"]["cpu_bytes"] == PSI_7B
     host = out["capacity"]["host"]
     assert (host["ranks"], host["bytes_per_rank"], host["need_bytes"]) == (2, gpu + PSI_7B, 2 * (gpu + PSI_7B))
-    assert gpu + PSI_7B <= 23e9 < 2 * (gpu + PSI_7B)  # one rank alone would fit the host; the two do not
+    assert host["capacity_bytes"] == int(25e9 * 0.9)  # less the default 10% host reserve
+    assert gpu + PSI_7B <= 25e9 * 0.9 < 2 * (gpu + PSI_7B)  # one rank alone would fit the host; the two do not
     assert out["capacity"]["device"]["fits"] is True
     assert out["fits"] is False and out["capacity"]["does_not_fit"] == ["host"]
     assert any(w.startswith("host does not fit: 2 ranks per node x ") for w in out["recommendation"]["warnings"])
@@ -86,9 +87,13 @@ def test_gpu_node_host_memory_counts_the_ranks_of_one_node(capsys):
             "--nvme-capacity", "1")
     out = _plan(capsys, *argv, "--dp", "8")
     host = out["capacity"]["host"]
-    assert host["capacity_bytes"] == 2 * 10**12  # the default: a DGX's 2 TB for 8 devices
+    assert host["capacity_bytes"] == 0.9 * 2 * 10**12  # the default: a DGX's 2 TB for 8 devices, less 10%
+    assert host["source"] == "default: a DGX's 250 GB per device; --host-memory, less a 10% reserve"
     assert (host["ranks"], host["need_bytes"]) == (8, 8 * (14 * psi // 8)) and out["fits"] is True
     assert _plan(capsys, *argv, "--dp", "8", "--host-memory", "900")["capacity"]["does_not_fit"] == ["host"]
+    # 8 x 14Ψ/8 = 980 GB: within 1050 GB, not within its 945 GB after the default reserve; --host-reserve 0 keeps none
+    assert _plan(capsys, *argv, "--dp", "8", "--host-memory", "1050")["capacity"]["does_not_fit"] == ["host"]
+    assert _plan(capsys, *argv, "--dp", "8", "--host-memory", "1050", "--host-reserve", "0")["fits"] is True
     host16 = _plan(capsys, *argv, "--dp", "16", "--host-memory", "900")["capacity"]["host"]
     assert (host16["ranks"], host16["need_bytes"], host16["fits"]) == (8, 8 * (14 * psi // 16), True)
 
