@@ -30,6 +30,7 @@ from lightning_v17.strategies import _lightning_compat, _pipeline, _precision
 from lightning_v17.strategies._checkpoint import ShardedCheckpoints
 from lightning_v17.strategies._collectives import WorldCollectives, init_world
 from lightning_v17.strategies._context import ContextSteps, prepare_context_parallel_model
+from lightning_v17.strategies._fault import FaultSteps
 from lightning_v17.strategies._options import (
     apply_config_to_trainer,
     build_policy,
@@ -48,6 +49,7 @@ from lightning_v17.config import (
     CPPolicy,
     EPPolicy,
     FP8Policy,
+    FTPolicy,
     MeshSpec,
     OffloadPolicy,
     PipelinePolicy,
@@ -69,23 +71,18 @@ if TYPE_CHECKING:
 _RUNS = itertools.count()  # one watchdog key space per setup; every rank runs the same sequence of fits
 
 
-class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelStrategy):
+class V17Strategy(FaultSteps, TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelStrategy):
     """ZeRO-0/1/2/3 (and HSDP) x TP(+SP) x PP on a 5-axis device mesh, for any LightningModule, on CPU and GPU.
 
     The arguments are the mesh's axis sizes (an axis with options takes its policy instead, the size inside:
     ``tp=TPPolicy(size=2, sequence_parallel=True)``), one policy object per concern, a DeepSpeed config and the
-    process group's settings. Each option is documented once, on its policy's field:
-    :class:`~lightning_v17.config.ZeroPolicy`, :class:`~lightning_v17.config.OffloadPolicy`,
-    :class:`~lightning_v17.config.PipelinePolicy`, :class:`~lightning_v17.config.TPPolicy` and
-    :class:`~lightning_v17.config.FP8Policy`. In YAML a policy is the mapping of its fields (``zero: {stage: 3,
-    bucket_mb: 25}``, ``tp: {size: 8, sequence_parallel: true}``). They become one
-    :class:`~lightning_v17.config.TrainingPolicy` (``strategy.policy``); after setup ``strategy.mesh`` is the live
-    mesh and ``strategy.zero`` the applied ZeRO stage. Lightning's plumbing (accelerator, devices, cluster
-    environment, checkpoint IO, precision plugin) is set by the Trainer, as for Lightning's ``ModelParallelStrategy``.
-
-    Precedence is given > config > default: an argument that is given (not None) wins over ``config`` even when it
-    equals the default, a policy object wins over the config's section as a whole, and the config wins over the
-    defaults (``strategies/_options.py``).
+    process group's settings. Each option is documented once, on its policy's field (``lightning_v17.config``'s
+    ``ZeroPolicy``, ``OffloadPolicy``, ``PipelinePolicy``, ``TPPolicy``, ``FP8Policy``, ``FTPolicy``). In YAML a policy
+    is the mapping of its fields (``zero: {stage: 3, bucket_mb: 25}``, ``tp: {size: 8, sequence_parallel: true}``).
+    They become one :class:`~lightning_v17.config.TrainingPolicy` (``strategy.policy``); after setup ``strategy.mesh``
+    is the live mesh and ``strategy.zero`` the applied ZeRO stage. The Trainer sets Lightning's plumbing.
+    Precedence is given > config > default: a given argument (not None) wins over ``config``, even when it equals
+    the default; a policy object wins over the config's section as a whole (``strategies/_options.py``).
 
     Args:
         zero_stage: shortcut for ``zero=ZeroPolicy(stage=...)``, not together with ``zero``; None: the config's, else 3.
@@ -107,6 +104,7 @@ class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints
             default, Hugging Face causal LMs') divide their token sum once by the optimizer step's global count, over
             dp x cp ranks and accumulated batches: one process's objective on every layout (``docs/loss.md``).
             "rank_mean": each rank's own mean (DDP's objective), what a module returning a scalar of its own gets.
+        fault_tolerance: :class:`~lightning_v17.config.FTPolicy`: replica groups on torchft (docs/resilience.md).
     """
 
     strategy_name = "v17"
@@ -129,10 +127,12 @@ class V17Strategy(TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints
         timeout: timedelta | None = default_pg_timeout,
         hang_timeout: float | None = None,
         loss_normalization: str = "tokens",
+        fault_tolerance: FTPolicy | None = None,
     ) -> None:
         super().__init__()  # accelerator, devices, cluster environment, checkpoint IO, precision: set by the Trainer
         self.policy = build_policy(zero_stage=zero_stage, activation_checkpointing=activation_checkpointing, tp=tp,
                                    pp=pp, cp=cp, ep=ep, zero=zero, offload=offload, fp8=fp8, config=config)  # fmt: skip
+        dp_replicate = self.ft_replicate(fault_tolerance, dp_replicate)  # with FTPolicy: 1, torchft owns that axis
         self.dims = parallel_dims(self.policy, dp_replicate=dp_replicate, dp_shard=dp_shard)  # the one axis owner
         check_composition(self.policy, self.dims)
         self._process_group_backend, self._timeout = process_group_backend, timeout

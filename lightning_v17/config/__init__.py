@@ -24,6 +24,7 @@ from lightning_v17.config.enums import (
     Tier,
 )
 from lightning_v17.config.errors import V17ConfigError, parse_enum
+from lightning_v17.config.fault import FTPolicy
 from lightning_v17.config.fp8 import FP8Backend, FP8Policy, FP8Recipe
 from lightning_v17.config.mesh_spec import AXIS_ORDER, MeshSpec, ParallelDims, check_tp_divides, divisors
 from lightning_v17.config.policies import (
@@ -48,6 +49,7 @@ __all__ = [
     "Dispatcher",
     "EPPolicy",
     "FP8Backend",
+    "FTPolicy",
     "FP8Policy",
     "FP8Recipe",
     "HostMemory",

@@ -44,9 +44,9 @@ def test_the_front_door_is_axes_policies_and_the_process_group():
     names = [n for n in params if n != "self"]
     assert names == [
         "zero_stage", "activation_checkpointing", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero", "offload",
-        "fp8", "config", "process_group_backend", "timeout", "hang_timeout", "loss_normalization",
+        "fp8", "config", "process_group_backend", "timeout", "hang_timeout", "loss_normalization", "fault_tolerance",
     ]  # fmt: skip
-    assert len(names) <= 16
+    assert len(names) <= 17
     assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params.values())
     # Lightning's plumbing is set by the Trainer's accelerator connector through the property setters
     import torch
