@@ -64,7 +64,9 @@ class ShardedCheckpoints:
     @override
     def load_checkpoint(self: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint into the sharded model/optimizers in place (any saved stage or world size)."""
-        out = load(self, checkpoint_path, weights_only=weights_only)
+        out, info = load(self, checkpoint_path, weights_only=weights_only)
+        if info.get("writer") == "fabric":
+            out = trainer_state_from_fabric(out, info)
         if self._parallel is not None and self._parallel.fp8 is not None:
             self._parallel.fp8.refresh_weight_scales()  # the loaded weights' float8 scales (none may be stale)
         return out
@@ -75,7 +77,7 @@ class ShardedCheckpoints:
             remove(filepath)
 
 
-def meta(strategy: V17Strategy, checkpoint: dict[str, Any]) -> dict[str, Any]:
+def meta(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
     """What the checkpoint's ``meta.json`` records about the run that wrote it."""
     import lightning
 
@@ -90,8 +92,15 @@ def meta(strategy: V17Strategy, checkpoint: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def save(strategy: V17Strategy, checkpoint: dict[str, Any], filepath: Any) -> None:
-    """Write a sharded checkpoint directory; the model and optimizer states leave ``checkpoint`` for the shards."""
+def save(
+    strategy: Any, checkpoint: dict[str, Any], filepath: Any, *, fabric_keys: dict[str, Any] | None = None
+) -> None:
+    """Write a sharded checkpoint directory; the model and optimizer states leave ``checkpoint`` for the shards.
+
+    The Trainer's and Fabric's saves write the same layout: ``checkpoint["state_dict"]`` is the model component,
+    ``checkpoint["optimizer_states"]`` the optimizer component (one optimizer as it is, several as ``optimizer_<i>``),
+    the rest the trainer state. ``fabric_keys`` (a Fabric save) records which of the user's keys held the model and
+    the optimizers, in ``meta.json``."""
     from lightning_v17.checkpoint.sharded import save_sharded
 
     path = Path(strategy.broadcast(filepath))
@@ -99,11 +108,21 @@ def save(strategy: V17Strategy, checkpoint: dict[str, Any], filepath: Any) -> No
     optim_states = checkpoint.pop("optimizer_states", [])
     if optim_states:
         app_state["optim"] = state_engine.merge_optim(optim_states)
-    save_sharded(path, app_state=app_state, trainer_state=checkpoint, meta=meta(strategy, checkpoint))
+    info = meta(strategy, checkpoint)
+    info["writer"] = "trainer" if fabric_keys is None else "fabric"
+    if fabric_keys is not None:
+        info["fabric_keys"] = fabric_keys
+    save_sharded(path, app_state=app_state, trainer_state=checkpoint, meta=info)
 
 
-def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | None = None) -> dict[str, Any]:
-    """Load a sharded checkpoint into the sharded model and optimizers in place; returns the trainer state.
+def load(
+    strategy: Any, checkpoint_path: Any, *, weights_only: bool | None = None, model: Any = None,
+    optimizers: list[Optimizer] | None = None, option: str = "ckpt_path",
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Load a sharded checkpoint into the sharded model and optimizers in place; returns ``(trainer state, meta)``.
+
+    ``model``/``optimizers``: what to load into (Fabric's ``state``); None: the strategy's own (the Trainer's).
+    ``option`` names the argument the path came from in the messages (``ckpt_path``, ``fabric.load(path=...)``).
 
     ``weights_only`` is what Lightning passes to ``Strategy.load_checkpoint``: ``None`` or ``True`` unpickle the
     trainer state and DCP's pickles safely (torch's default since 2.6; a checkpoint holding other objects is refused
@@ -113,27 +132,33 @@ def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | No
     from lightning_v17.checkpoint.sharded import UnsafeCheckpointError, is_sharded_checkpoint, load_sharded
 
     path = Path(strategy.broadcast(checkpoint_path))
+    fabric = model is not None
     if not path.exists():
         raise V17ConfigError(
-            f"ckpt_path={str(path)!r} does not exist; give the checkpoint directory (AsyncCheckpoint writes "
+            f"{option}={str(path)!r} does not exist; give the checkpoint directory (AsyncCheckpoint writes "
             "<dirpath>/step-NNNNNNNN and a 'latest' pointer; ckpt_path='last' resumes from the newest)"
         )
     if not is_sharded_checkpoint(path) and _is_deepspeed(path):
-        return load_deepspeed(strategy, path, weights_only=weights_only)
+        if fabric:
+            raise V17ConfigError(f"{option}={str(path)!r} is a DeepSpeed checkpoint, which V17FabricStrategy does not "
+                                 "read yet; resume it with Trainer(strategy=V17Strategy(...)), which does")  # fmt: skip
+        return load_deepspeed(strategy, path, weights_only=weights_only), {"writer": "deepspeed"}
     if not is_sharded_checkpoint(path):
         raise V17ConfigError(
-            f"ckpt_path={str(path)!r} is not a V17 sharded checkpoint directory; V17Strategy resumes from the "
+            f"{option}={str(path)!r} is not a V17 sharded checkpoint directory; V17Strategy resumes from the "
             "directories it writes and from DeepSpeed's (a save_dir holding 'latest', or a global_stepN directory); "
             "convert a full checkpoint by loading it into the module before fit"
         )
-    assert strategy.model is not None
-    app_state = state_engine.get_state_dicts(strategy.model, strategy.optimizers, backend=strategy.zero)
+    model = strategy.model if model is None else model
+    optimizers = strategy.optimizers if optimizers is None else optimizers
+    assert model is not None
+    app_state = state_engine.get_state_dicts(model, optimizers, backend=strategy.zero)
     own_groups = state_engine.param_group_lists(app_state)
     state_engine.drop_unsaved_optimizer_entries(app_state, path / "optim")  # as Optimizer.load_state_dict gives them
     try:
-        trainer_state, _meta = load_sharded(path, app_state=app_state, weights_only=weights_only)
+        trainer_state, info = load_sharded(path, app_state=app_state, weights_only=weights_only)
     except UnsafeCheckpointError as err:
-        if weights_only is not None:
+        if weights_only is not None or fabric:
             raise
         # Lightning 2.6 forwards trainer.fit(weights_only=...) only to strategies that restore BEFORE setup
         # (Trainer._run calls _restore_modules_and_callbacks(ckpt_path) without it after setup), and V17Strategy
@@ -145,8 +170,22 @@ def load(strategy: V17Strategy, checkpoint_path: Any, *, weights_only: bool | No
         ) from err.__cause__
     # A checkpoint from another pipeline split lists other stages' FQNs in its param groups: keep our own.
     state_engine.restore_param_group_lists(app_state, own_groups)
-    state_engine.set_state_dicts(strategy.model, strategy.optimizers, app_state, backend=strategy.zero)
-    return trainer_state
+    state_engine.set_state_dicts(model, optimizers, app_state, backend=strategy.zero)
+    return trainer_state, info
+
+
+def trainer_state_from_fabric(state: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint ``fabric.save`` wrote, resumed by the Trainer: the model and optimizer states are loaded; the
+    Trainer's loops, callbacks and LR schedulers, which a Fabric loop keeps in its own keys, start fresh (warned once).
+    The Fabric state's other entries stay in the checkpoint dict ``on_load_checkpoint`` receives."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(
+        "V17Strategy: resuming from a checkpoint fabric.save wrote: the model and optimizer states are loaded; the "
+        "Trainer's step counter, loops, callbacks and LR schedulers start fresh (the Fabric state's own entries "
+        f"{sorted(k for k in state if k != 'pytorch-lightning_version')} reach LightningModule.on_load_checkpoint)"
+    )
+    return {"pytorch-lightning_version": _lightning_version(), "lr_schedulers": [], **state}
 
 
 # ---------------------------------------------------------------------------------------------------- DeepSpeed

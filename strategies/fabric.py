@@ -23,7 +23,9 @@ from lightning.fabric.utilities.distributed import ReduceOp, _distributed_is_ini
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _Stateful
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning_v17.strategies._checkpoint import load, save
 from lightning_v17.strategies._collectives import init_world
 from lightning_v17.strategies._options import _changed, build_policy, check_hang_timeout, parallel_dims
 from torch import Tensor
@@ -46,6 +48,8 @@ from lightning_v17.config import (
 )
 from lightning_v17.engine.parallelize import Parallelized, check_composition, parallelize, parallelized
 from lightning_v17.engine.precision.clip import clip_grad_norm_
+from lightning_v17.engine.zero import meta_init
+from lightning_v17.engine.zero import state_dict as state_engine
 from lightning_v17.engine.zero.backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
 
@@ -278,13 +282,17 @@ class V17FabricStrategy(ParallelStrategy):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        module.to(self.root_device)
+        if not meta_init.has_meta(module):  # a meta model is materialized, shard by shard, by fabric.setup
+            module.to(self.root_device)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        if empty_init:
-            raise _not_yet("fabric.init_module(empty_init=True)", "build the model with real tensors")
+        """``fabric.init_module(empty_init=True)`` builds on the meta device; ``fabric.setup`` then allocates only
+        this rank's shards and initializes them (``reset_parameters``/``init_weights``, as V17Strategy's
+        ``empty_init``): at ZeRO-3 no rank ever holds the whole model."""
         stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
         stack.enter_context(self.precision.module_init_context())
         return stack
 
@@ -324,7 +332,9 @@ class V17FabricStrategy(ParallelStrategy):
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
-        raise _not_yet("fabric.clip_gradients(clip_val=...)", "clip by the gradients' norm: pass max_norm instead of clip_val")
+        raise _not_yet(
+            "fabric.clip_gradients(clip_val=...)", "clip by the gradients' norm: pass max_norm instead of clip_val"
+        )
 
     # ------------------------------------------------------------------ collectives over the world
     @override
@@ -350,11 +360,67 @@ class V17FabricStrategy(ParallelStrategy):
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
-    # ------------------------------------------------------------------ checkpoints: not yet
+    # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise _not_yet("fabric.save", "save from a Trainer with V17Strategy for now")
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        """``fabric.save(path, state)``: a sharded checkpoint directory, every rank writing its own shards, in the
+        Trainer's format (``strategies/_checkpoint.py``): the model in ``state`` is its model component, the
+        optimizers (in ``state``'s order) its optimizer component, the other entries (``state_dict()`` of those that
+        have one) the trainer state. It loads at any world size or layout, under Fabric or the Trainer."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported")
+        if filter is not None:
+            raise _not_yet("fabric.save(filter=...)", "a sharded checkpoint is saved whole; save the full state")
+        model_key, module, optimizers = self._objects(state, "fabric.save")
+        rest = {k: v for k, v in state.items() if k != model_key and k not in optimizers}
+        clash = sorted(set(rest) & {"state_dict", "optimizer_states"})
+        if clash:
+            raise V17ConfigError(f"fabric.save(state=...): the keys {clash} name the checkpoint's own components; "
+                                 "rename them")  # fmt: skip
+        checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in rest.items()}
+        checkpoint["state_dict"] = state_engine.get_model_state(module)
+        checkpoint["optimizer_states"] = [self.zero.optimizer_state_dict(o) for o in optimizers.values()]
+        save(self, checkpoint, path, fabric_keys={"model": model_key, "optimizers": list(optimizers)})
 
     @override
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        raise _not_yet("fabric.load", "load from a Trainer with V17Strategy for now")
+    def load_checkpoint(
+        self, path: Any, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """``fabric.load(path, state)``: the model and optimizers in ``state`` are loaded in place from a sharded
+        checkpoint (``fabric.save``'s or the Trainer's, any world size, ZeRO stage or tp layout), the other requested
+        entries replaced (or ``load_state_dict``-ed); returns what ``state`` did not ask for (a Trainer checkpoint's
+        ``global_step``, ``loops``, ...)."""
+        if not isinstance(state, dict):
+            raise _not_yet("fabric.load without a state dict, or fabric.load_raw",
+                           "pass the objects set up by fabric.setup: fabric.load(path, {'model': model, "
+                           "'optimizer': optimizer, ...})")  # fmt: skip
+        model_key, module, optimizers = self._objects(state, "fabric.load")
+        remainder, _info = load(self, path, weights_only=weights_only, model=module,
+                                optimizers=list(optimizers.values()), option="fabric.load(path)")  # fmt: skip
+        requested = [k for k in state if k != model_key and k not in optimizers]
+        missing = [k for k in requested if k not in remainder]
+        if strict and missing:
+            raise KeyError(f"fabric.load: the requested state key {missing[0]!r} is not in the checkpoint at "
+                           f"{str(path)!r}; to skip the keys it lacks, pass strict=False")  # fmt: skip
+        for key in [k for k in requested if k in remainder]:
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(remainder.pop(key))
+            else:
+                state[key] = remainder.pop(key)
+        return remainder
+
+    def _objects(self, state: dict[str, Any], call: str) -> tuple[str, Module, dict[str, Optimizer]]:
+        """The one model this strategy set up and the optimizers in ``state``, by key."""
+        modules = {k: v for k, v in state.items() if isinstance(v, Module)}
+        if len(modules) != 1 or self._parallel is None or parallelized(next(iter(modules.values()))) is None:
+            raise V17ConfigError(
+                f"{call}(path, state): state must hold exactly one model, the one fabric.setup set up with this "
+                f"strategy (found {len(modules)} modules: {sorted(modules)}), e.g. {{'model': model, "
+                "'optimizer': optimizer, 'step': step}"
+            )
+        ((model_key, module),) = modules.items()
+        return model_key, module, {k: v for k, v in state.items() if isinstance(v, Optimizer)}

@@ -16,7 +16,8 @@ with ``fabric.setup(model, optimizer)``, ``fabric.backward`` and ``optimizer.ste
 Asserted: every step's loss (the mean over the ranks) and, with clipping, the pre-clip norm ``clip_gradients``
 returned, within 1e-5 of ddp's (relative); every parameter after the last step (DTensors gathered whole) within 1e-5
 (||a - b|| / ||b||). What the strategy does not run under Fabric yet is refused by name: at construction, and at the
-call (``fabric.init_module(empty_init=True)``, ``fabric.save``).
+call (``fabric.save(filter=...)``, ``fabric.load`` without a state dict, ``clip_gradients(clip_val=...)``). ``tp2_plan``
+is tp = 2 with a plan of the user's own (``TPPolicy(plan=...)``: the MLPs split, attention replicated).
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ CASES = {  # name -> V17FabricStrategy kwargs (None: Fabric's "ddp")
     "zero2": {"zero_stage": 2},
     "zero3": {"zero_stage": 3},
     "tp2": {"zero_stage": 3, "tp": 2},
+    "tp2_plan": {"zero_stage": 3, "tp": "user_plan"},  # TPPolicy(size=2, plan=USER_PLAN), built in the worker
 }
+#: a plan of the user's own instead of the model's: the MLPs split, attention replicated
+USER_PLAN = {"layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+             "layers.*.feed_forward.w2": "rowwise"}  # fmt: skip
 OPTS = ("sgd", "adamw_clip", "accumulate")
 ACCUMULATE = ("ddp", "zero2", "zero3")
 
@@ -104,9 +109,12 @@ def _train(rank: int, name: str, opt: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lightning_v17 import V17FabricStrategy
+    from lightning_v17.config import TPPolicy
     from tests.dist.test_tp import tiny_model, token_mean_loss
 
     kwargs = CASES[name]
+    if kwargs is not None and kwargs.get("tp") == "user_plan":
+        kwargs = {**kwargs, "tp": TPPolicy(size=2, plan=USER_PLAN)}
     strategy = "ddp" if kwargs is None else V17FabricStrategy(**kwargs)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="32-true")
     fabric.launch()
@@ -139,17 +147,23 @@ def _train(rank: int, name: str, opt: str) -> dict:
             for n, p in model.module.named_parameters()}  # fmt: skip
     if rank == 0:
         out["params"] = full
+    if name == "tp2_plan":  # which parameters the user's plan split over the tp mesh dimension
+        out["tp_split"] = sorted(
+            n for n, p in model.module.named_parameters() if isinstance(p, DTensor)
+            and "tp" in (p.device_mesh.mesh_dim_names or ()) and not p.placements[p.device_mesh.mesh_dim_names.index("tp")].is_replicate()
+        )  # fmt: skip
     if name == "zero3" and opt == "sgd":
-        out["refused"] = _refused_at_call(fabric, model)
+        out["refused"] = _refused_at_call(fabric, model, optimizer)
     return out
 
 
-def _refused_at_call(fabric, model) -> list[str]:
+def _refused_at_call(fabric, model, optimizer) -> list[str]:
     from lightning_v17 import V17ConfigError
 
     said = []
-    for call in (lambda: fabric.init_module(empty_init=True).__enter__(),
-                 lambda: fabric.save("unused", {"model": model})):  # fmt: skip
+    for call in (lambda: fabric.save("unused", {"model": model}, filter={"model": lambda k, v: True}),
+                 lambda: fabric.load("unused"),
+                 lambda: fabric.clip_gradients(model, optimizer, clip_val=1.0)):  # fmt: skip
         try:
             call()
         except V17ConfigError as err:
@@ -199,10 +213,15 @@ def test_fabric_no_backward_sync_accumulates_like_ddp(runs, name) -> None:
     )
 
 
+def test_fabric_user_tp_plan_is_the_one_applied(runs) -> None:
+    split = runs[("tp2_plan", "sgd")]["tp_split"]
+    assert split == [f"layers.{i}.feed_forward.{w}.weight" for i in range(2) for w in ("w1", "w2", "w3")], split
+
+
 def test_fabric_refuses_at_the_call(runs) -> None:
     said = runs[("zero3", "sgd")]["refused"]
-    assert len(said) == 2 and all("not available under Fabric yet" in s for s in said), said
-    assert "empty_init" in said[0] and "fabric.save" in said[1]
+    assert len(said) == 3 and all("not available under Fabric yet" in s for s in said), said
+    assert "fabric.save(filter" in said[0] and "fabric.load without a state" in said[1] and "clip_val" in said[2]
 
 
 @pytest.mark.parametrize(
