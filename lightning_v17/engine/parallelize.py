@@ -169,7 +169,9 @@ def apply_zero_stage(
         pipeline_stages=pipeline_stages,
     )
     # Only what is still on the meta device (meta_init, empty_init): weights loaded in configure_model are kept.
-    materialize_meta_module(module, device=device)
+    # Into the nvme tier unit by unit (_attach_param_offload) where nothing between needs the values.
+    if not _streams_into_tier(policy, mesh):
+        materialize_meta_module(module, device=device)
     return ZeroBackend(
         module,
         stage=z.stage,
@@ -180,9 +182,22 @@ def apply_zero_stage(
     )
 
 
-def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: TrainingPolicy) -> None:
+def _streams_into_tier(policy: TrainingPolicy, mesh: MeshRuntime) -> bool:
+    """Whether a meta-device model is materialized straight into the nvme tier, unit by unit: parameters on nvme at
+    stage 3, and no replica axis whose broadcast (:func:`sync_replicas`, between ZeRO and the tier) needs every
+    shard in memory at once (dp_replicate, tp, an expert-data axis)."""
+    return (
+        policy.offload.params == Tier.NVME and policy.zero.shards_params and policy.fp8 is None
+        and mesh["dp_replicate"].size() == 1 and mesh["tp"].size() == 1 and mesh.spec.ep == 1
+    )  # fmt: skip
+
+
+def _attach_param_offload(
+    module: nn.Module, backend: ZeroBackend, policy: TrainingPolicy, device: torch.device | None = None
+) -> None:
     """``OffloadPolicy(params="nvme")``: the FSDP2 groups' shards to the nvme tier (root group first, then the units in
-    module order, i.e. forward order); the optimizer's step then streams them (``ZeroBackend.prepare_optimizers``)."""
+    module order, i.e. forward order); the optimizer's step then streams them (``ZeroBackend.prepare_optimizers``).
+    A model still on the meta device is materialized into the tier here, each unit written once it is initialized."""
     if policy.offload.params != Tier.NVME or not backend.shards_params:
         return
     if backend.param_offload is not None and not backend.param_offload.closed:
@@ -195,6 +210,9 @@ def _attach_param_offload(module: nn.Module, backend: ZeroBackend, policy: Train
         [m for m in module.modules() if isinstance(m, FSDPModule)], nvme_path=policy.offload.nvme_path,
         rank=dist.get_rank() if dist.is_initialized() else 0, prefetch_units=policy.zero.prefetch_units,
         buffer_count=policy.offload.buffer_count, host_memory=policy.offload.host_memory,
+        materialize=lambda after_group: materialize_meta_module(
+            module, device=device or torch.device("cpu"), after_group=after_group
+        ),
     )  # fmt: skip
 
 
@@ -380,7 +398,7 @@ def parallelize(
     sync_replicas(module, mesh=mesh, backend=backend)  # 6. one model on every replica
     if fp8 is not None:
         fp8.refresh_weight_scales()  # float8 all-gather: whole-weight scales from the first step on (see FP8Runtime)
-    _attach_param_offload(module, backend, policy)  # 7. parameter shards to nvme, once they are final
+    _attach_param_offload(module, backend, policy, device)  # 7. parameter shards to nvme, once they are final
     if spec.pp > 1:
         pipeline = build_schedule(
             stage_modules,

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
@@ -86,6 +86,26 @@ from lightning_v17.engine.offload.param_store import ReleasedShard, _Rec, _Shard
 __all__ = ["ParamOffload", "ReleasedShard"]
 
 log = logging.getLogger(__name__)
+
+
+def _check_plain_shard(fp: Any) -> None:
+    """The tier points the shard's storage at its files' buffers: the parameter's local tensor must be a view of
+    FSDP2's own shard storage, a plain tensor."""
+    data, local = fp._sharded_param_data, fp.sharded_param._local_tensor
+    if type(data) is torch.Tensor and local.untyped_storage()._cdata == data.untyped_storage()._cdata:
+        return
+    name = fp._param_fqn or f"{type(fp._module_info.module).__name__}.{fp._module_info.param_name}"
+    what = type(data).__name__ if type(data) is not torch.Tensor else type(local).__name__
+    if "float8" in str(local.dtype) or "float8" in what.lower():
+        why = f"a float8 tensor ({what}); the nvme tier moves plain tensors"
+    elif type(data) is not torch.Tensor or type(local) is not torch.Tensor:
+        why = f"a tensor subclass ({what}); the nvme tier moves plain tensors"
+    else:
+        why = "a tensor of its own, not a view of FSDP2's shard storage (replaced after fully_shard)"
+    raise V17ConfigError(
+        f'OffloadPolicy(params="nvme"): parameter {name!r} is {why}; use OffloadPolicy(params="cpu") or "none" '
+        "for this model"
+    )
 
 
 def _groups_of(module: nn.Module) -> Any:
@@ -107,11 +127,16 @@ class ParamOffload:
             (module docstring); "return" fixes glibc's mmap threshold at 1 MiB for the whole process
             (every allocation of that size, activations included, mapped anew and unmapped when freed). The units'
             buffers are their own mappings either way.
+        materialize: for a model still on the meta device, ``materialize(after_group)`` allocates and initializes
+            the shards (:func:`~lightning_v17.engine.zero.meta_init.materialize_meta_module`), calling
+            ``after_group(group)`` once an FSDP2 group's shards are final: they are written to their files then and
+            freed, so a rank holds a few units' shards at a time, never its whole shard of the model.
     """
 
     def __init__(
         self, units: Sequence[nn.Module], *, nvme_path: str, rank: int = 0, prefetch_units: int = 1,
         buffer_count: int = 2, host_memory: HostMemory | str | None = None,
+        materialize: Callable[[Callable[[Any], None]], None] | None = None,
     ) -> None:  # fmt: skip
         from lightning_v17.engine.offload import nvme
         from lightning_v17.engine.offload.host_memory import fix_mmap_threshold
@@ -134,19 +159,18 @@ class ParamOffload:
             recs = []
             for fp in g.fsdp_params:
                 local = fp.sharded_param._local_tensor
-                if local.device.type != "cpu":
+                if local.is_meta and materialize is None:
                     raise V17ConfigError(
-                        f"OffloadPolicy(params='nvme') with parameters on {local.device} is not implemented yet (the "
-                        "host bounce buffer); use OffloadPolicy(params='cpu' or 'none') there, or train on the CPU"
+                        f'OffloadPolicy(params="nvme"): parameter {fp._param_fqn!r} is still on the meta device; '
+                        "pass materialize= (parallelize does) or initialize the model first"
                     )
-                if type(fp._sharded_param_data) is not torch.Tensor or (
-                    local.untyped_storage()._cdata != fp._sharded_param_data.untyped_storage()._cdata
-                ):
+                if local.device.type not in ("cpu", "meta"):
                     raise V17ConfigError(
-                        f"OffloadPolicy(params='nvme'): parameter {fp._param_fqn or fp._module_info.param_name!r} is "
-                        "not a plain tensor view of FSDP2's shard storage (a tensor subclass such as float8?); use "
-                        "OffloadPolicy(params='cpu' or 'none')"
+                        f'OffloadPolicy(params="nvme") with parameters on {local.device} is not implemented (the '
+                        'host bounce buffer); use OffloadPolicy(params="cpu") or "none" there, or train on the CPU'
                     )
+                if not local.is_meta:
+                    _check_plain_shard(fp)
                 nbytes = fp._sharded_param_data.untyped_storage().nbytes()
                 if nbytes == 0:
                     continue
@@ -192,8 +216,18 @@ class ParamOffload:
         self.io_wait_s = 0.0
         self._handles: list[Any] = []
         self._install_hooks()
+        if any(r.fp.sharded_param.is_meta for r in self.recs):
+            materialize(self._materialized)  # type: ignore[misc]
         self.release(self.recs)  # all shards to the tier now: the first forward reads them
         self.flush()
+
+    def _materialized(self, group: Any) -> None:
+        """A meta-initialized group's shards are final: to the tier now (written, then freed), before the next group
+        is allocated."""
+        recs = self.by_group.get(id(group), [])
+        for r in recs:
+            _check_plain_shard(r.fp)
+        self.release(recs)
 
     # ------------------------------------------------------------------ lookup
     def recs_of(self, params: Iterable[torch.Tensor]) -> list[_Rec]:

@@ -8,7 +8,7 @@ Lightning's ``trainer.init_module(empty_init=True)`` and a user's own ``torch.de
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,12 +70,13 @@ def deferred_init() -> Generator[None, None, None]:
 @contextmanager
 def _keep_values(module: nn.Module, fresh: set[int]) -> Generator[None, None, None]:
     """Restore, after an init call on ``module``, every tensor of its subtree that was not just allocated (ids in
-    ``fresh``): an init method writes all of its module's tensors, and a loaded one must keep its value."""
+    ``fresh``): an init method writes all of its module's tensors, and a loaded one must keep its value. Tensors
+    still on meta, and shards already handed to their tier (no storage in memory), have nothing to keep."""
     kept = [
         (name, is_param, _local(t).clone())
         for is_param, named in ((True, module.named_parameters()), (False, module.named_buffers()))
         for name, t in named
-        if id(t) not in fresh and not t.is_meta
+        if id(t) not in fresh and not t.is_meta and _local(t).untyped_storage().nbytes() > 0
     ]
     yield
     for name, is_param, value in kept:
@@ -90,19 +91,100 @@ def _materialize_param(p: nn.Parameter, device: torch.device) -> None:
     torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
 
 
+def _materialize_fsdp_param(fp: Any, device: torch.device) -> None:
+    """Storage for one ZeRO-3 shard still on meta, allocated as FSDP2's own padded shard storage
+    (``FSDPParam._sharded_param_data``, what its all-gather copies from) with the parameter's local tensor a view of
+    it, as ``fully_shard`` lays out a real parameter. A fresh tensor of the local shape instead (``empty_like`` on
+    the DTensor) left FSDP2 a meta storage until its lazy init re-padded the shard into a new one: the nvme tier,
+    which takes the shards before that, found no storage of FSDP2's to point at its files."""
+    from torch.distributed.tensor import DTensor
+
+    p = fp.sharded_param
+    dim = fp.fsdp_placement.dim
+    local = p._local_tensor
+    length = local.size(dim) if local.numel() > 0 else 0
+    where = torch.device("cpu") if fp.offload_to_cpu else device  # OffloadPolicy(params="cpu"): FSDP2 keeps it there
+    padded = torch.zeros(fp.padded_sharded_param_size, dtype=p.dtype, device=where)  # the padding is zeros in FSDP2
+    shard = DTensor.from_local(
+        padded.narrow(dim, 0, length), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+    torch.utils.swap_tensors(p, nn.Parameter(shard, requires_grad=p.requires_grad))
+    fp._sharded_param_data = padded.view(-1)
+
+
+def _fsdp_groups(module: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups under ``module``, in module order (a root's group before its units')."""
+    groups = []
+    for m in module.modules():
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        g = None if state is None else state._fsdp_param_group
+        if g is not None:
+            groups.append(g)
+    return groups
+
+
+def _init_calls(module: nn.Module, meta: set[int]) -> list[tuple[nn.Module, str, list[torch.Tensor]]]:
+    """The init methods that give the tensors in ``meta`` (ids) their values, in module order, each with the meta
+    tensors it writes: the outermost modules defining ``init_weights()`` their subtree, every other module owning
+    such a tensor its ``reset_parameters()``.
+
+    Raises:
+        V17ConfigError: if a module with a meta parameter has neither method.
+    """
+
+    def owned(m: nn.Module, recurse: bool, *, params_only: bool = False) -> list[torch.Tensor]:
+        ts = m.parameters(recurse=recurse) if params_only else (*m.parameters(recurse=recurse), *m.buffers(recurse))
+        return [t for t in ts if id(t) in meta]
+
+    calls: list[tuple[nn.Module, str, list[torch.Tensor]]] = []
+    covered: set[int] = set()
+    for m in module.modules():  # outermost first
+        if id(m) in covered:
+            continue
+        if callable(getattr(m, "init_weights", None)) and (ts := owned(m, recurse=True)):
+            calls.append((m, "init_weights", ts))
+            covered.update(id(x) for x in m.modules())
+    missing = set()
+    for m in module.modules():
+        if id(m) in covered or not (ts := owned(m, recurse=False)):
+            continue
+        if callable(getattr(m, "reset_parameters", None)):
+            calls.append((m, "reset_parameters", ts))
+        elif owned(m, recurse=False, params_only=True):
+            missing.add(type(m).__name__)
+    if missing:
+        raise V17ConfigError(
+            f"deferred init (the model was built on the meta device: ZeroPolicy(meta_init=True) or "
+            f"empty_init=True) cannot initialize {sorted(missing)}: give them reset_parameters() or an init_weights() "
+            f"on an enclosing module, or build the model with real tensors (meta_init=False, the default)"
+        )
+    order = {id(m): i for i, m in enumerate(module.modules())}
+    return sorted(calls, key=lambda c: order[id(c[0])])  # init_weights subtrees and reset_parameters in module order
+
+
 @torch.no_grad()
-def materialize_meta_module(module: nn.Module, *, device: torch.device) -> None:
+def materialize_meta_module(
+    module: nn.Module, *, device: torch.device, after_group: Callable[[Any], None] | None = None
+) -> None:
     """Allocate and initialize the parameters and buffers that are still on the meta device, and only those.
 
     A model, or part of one, built on the meta device (``ZeroPolicy(meta_init=True)``, Lightning's
     ``trainer.init_module(empty_init=True)``, the user's own ``torch.device("meta")``) has no values yet. Each
-    tensor still on meta gets storage on ``device`` (for an FSDP2 DTensor only the local shard: the full model is
-    never materialized on one rank). Then the modules that own such a tensor initialize: the outermost ones
-    defining ``init_weights()`` their subtree (torchtitan's convention), every other one its ``reset_parameters()``.
-    Tensors that were not on meta (weights loaded in ``configure_model``, with ``load_state_dict(assign=True)`` or
-    next to a meta-built part) are never re-initialized: per tensor, not per module (``to_empty`` would give a
-    module's loaded tensors new storage too), and an init call that also writes them (``reset_parameters`` of a
-    module whose other tensors were meta, ``init_weights`` over a partly loaded subtree) has their values restored.
+    tensor still on meta gets storage on ``device`` (for a ZeRO-3 parameter only this rank's shard, in FSDP2's own
+    shard storage: the full model is never materialized on one rank). The modules that own such a tensor initialize
+    it: the outermost ones defining ``init_weights()`` their subtree (torchtitan's convention), every other one its
+    ``reset_parameters()``, in module order. Tensors that were not on meta (weights loaded in ``configure_model``,
+    with ``load_state_dict(assign=True)`` or next to a meta-built part) are never re-initialized: per tensor, not
+    per module (``to_empty`` would give a module's loaded tensors new storage too), and an init call that also
+    writes them (``reset_parameters`` of a module whose other tensors were meta, ``init_weights`` over a partly
+    loaded subtree) has their values restored.
+
+    ZeRO-3 units stream: a unit's shards are allocated just before the first init call that writes them, and once
+    its last one has run, ``after_group(group)`` (the FSDP2 parameter group) may take them (the nvme tier writes them
+    to its files and frees them). With per-module inits (``reset_parameters``, or an ``init_weights`` per block) a
+    rank then holds a few units' shards at a time, not its whole shard of the model; an ``init_weights`` over the
+    whole model needs all of them at once. The values do not depend on ``after_group``: the calls run in the same
+    order either way.
 
     Raises:
         V17ConfigError: if a module with a meta parameter has neither method (its weights would be uninitialized
@@ -110,11 +192,21 @@ def materialize_meta_module(module: nn.Module, *, device: torch.device) -> None:
     """
     if not has_meta(module):
         return
+    meta = {id(t) for t in (*module.parameters(), *module.buffers()) if t.is_meta}
+    calls = _init_calls(module, meta)  # refused before anything is allocated
+    group_of: dict[int, int] = {}
+    groups = _fsdp_groups(module)
+    by_param: dict[int, Any] = {}
+    for i, g in enumerate(groups):
+        for fp in g.fsdp_params:
+            if fp.sharded_param.is_meta:
+                group_of[id(fp.sharded_param)] = i
+                by_param[id(fp.sharded_param)] = fp
     fresh: set[int] = set()
     buffers: dict[int, torch.Tensor] = {}  # a buffer shared by several modules stays one tensor
-    for m in module.modules():
+    for m in module.modules():  # outside the units: now (buffers, parameters no FSDP2 group holds)
         for p in m._parameters.values():
-            if p is not None and p.is_meta:
+            if p is not None and p.is_meta and id(p) not in group_of:
                 _materialize_param(p, device)
                 fresh.add(id(p))
         for name, b in list(m._buffers.items()):
@@ -123,31 +215,32 @@ def materialize_meta_module(module: nn.Module, *, device: torch.device) -> None:
                     buffers[id(b)] = torch.empty_like(b, device=device)
                     fresh.add(id(buffers[id(b)]))
                 m._buffers[name] = buffers[id(b)]
+    pending = [0] * len(groups)  # init calls still to run per group
+    touched = [sorted({group_of[id(t)] for t in ts if id(t) in group_of}) for _, _, ts in calls]
+    for gs in touched:
+        for i in gs:
+            pending[i] += 1
+    allocated: set[int] = set()
 
-    def owns_fresh(m: nn.Module, recurse: bool, *, params_only: bool = False) -> bool:
-        ts = m.parameters(recurse=recurse) if params_only else (*m.parameters(recurse=recurse), *m.buffers(recurse))
-        return any(id(t) in fresh for t in ts)
+    def allocate(i: int) -> None:
+        if i not in allocated:
+            allocated.add(i)
+            for fp in groups[i].fsdp_params:
+                if id(fp.sharded_param) in by_param:
+                    _materialize_fsdp_param(fp, device)
+                    fresh.add(id(fp.sharded_param))
 
-    covered: set[int] = set()
-    for m in module.modules():  # outermost first
-        if id(m) in covered:
-            continue
-        if callable(getattr(m, "init_weights", None)) and owns_fresh(m, recurse=True):
-            with _keep_values(m, fresh):
-                m.init_weights()
-            covered.update(id(x) for x in m.modules())
-    missing = set()
-    for m in module.modules():
-        if id(m) in covered or not owns_fresh(m, recurse=False):
-            continue
-        if callable(getattr(m, "reset_parameters", None)):
-            with _keep_values(m, fresh):
-                m.reset_parameters()
-        elif owns_fresh(m, recurse=False, params_only=True):
-            missing.add(type(m).__name__)
-    if missing:
-        raise V17ConfigError(
-            f"deferred init (the model was built on the meta device: ZeroPolicy(meta_init=True) or "
-            f"empty_init=True) cannot initialize {sorted(missing)}: give them reset_parameters() or an init_weights() "
-            f"on an enclosing module, or build the model with real tensors (meta_init=False, the default)"
-        )
+    for (m, method, _), gs in zip(calls, touched):
+        for i in gs:
+            allocate(i)
+        with _keep_values(m, fresh):
+            getattr(m, method)()
+        for i in gs:
+            pending[i] -= 1
+            if pending[i] == 0 and after_group is not None:
+                after_group(groups[i])
+    for i in range(len(groups)):  # meta shards no call writes (buffers-only modules own none; kept for safety)
+        if i not in allocated and any(id(fp.sharded_param) in by_param for fp in groups[i].fsdp_params):
+            allocate(i)
+            if after_group is not None:
+                after_group(groups[i])
