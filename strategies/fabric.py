@@ -27,6 +27,7 @@ from lightning.fabric.utilities.types import _Stateful
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning_v17.strategies._checkpoint import load, save
 from lightning_v17.strategies._collectives import init_world
+from lightning_v17.strategies._engine_state import EngineState
 from lightning_v17.strategies._options import _changed, build_policy, check_hang_timeout, parallel_dims
 from torch import Tensor
 from torch.nn import Module
@@ -50,7 +51,6 @@ from lightning_v17.engine.parallelize import Parallelized, check_composition, pa
 from lightning_v17.engine.precision.clip import clip_grad_norm_
 from lightning_v17.engine.zero import meta_init
 from lightning_v17.engine.zero import state_dict as state_engine
-from lightning_v17.engine.zero.backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
 
 __all__ = ["V17FabricStrategy"]
@@ -110,7 +110,7 @@ class _V17BackwardSyncControl(_BackwardSyncControl):
         return self._strategy.zero.no_sync()
 
 
-class V17FabricStrategy(ParallelStrategy):
+class V17FabricStrategy(EngineState, ParallelStrategy):
     """ZeRO-1/2/3 and tensor parallelism (tp) on V17's device mesh, for ``lightning.fabric.Fabric``.
 
     ``Fabric(accelerator="cpu", devices=2, strategy=V17FabricStrategy(zero_stage=3))``, then ``fabric.setup(model,
@@ -125,6 +125,8 @@ class V17FabricStrategy(ParallelStrategy):
     with a :class:`~lightning_v17.config.V17ConfigError` (the loss is the one the user's loop computes: each rank's
     mean, as under Fabric's ``"ddp"``).
     """
+
+    _setup_call = "fabric.setup(model)"
 
     def __init__(
         self,
@@ -167,30 +169,6 @@ class V17FabricStrategy(ParallelStrategy):
                               zero_stage=stage)  # fmt: skip
 
     # ------------------------------------------------------------------ properties
-    @property
-    def mesh(self) -> MeshRuntime:
-        """The live mesh. Reading it before ``setup_environment`` raises (see :class:`~lightning_v17.mesh.UnsetMesh`)."""
-        if isinstance(self._mesh, UnsetMesh):
-            _ = self._mesh.spec  # raises the explanatory error
-        return self._mesh  # type: ignore[return-value]
-
-    @property
-    def parallel(self) -> Parallelized | None:
-        """What ``parallelize`` did to the model (None before ``fabric.setup``)."""
-        return self._parallel
-
-    @property
-    def zero(self) -> ZeroBackend:
-        """The applied ZeRO stage (ask it what is sharded, how to sync)."""
-        if self._parallel is None:
-            raise RuntimeError("strategy.zero exists after fabric.setup(model) has parallelized the model")
-        return self._parallel.zero
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
 
     @property
     def num_nodes(self) -> int:
@@ -201,18 +179,8 @@ class V17FabricStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp = self.mesh["dp"]
-        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     # ------------------------------------------------------------------ launch and environment
     @override

@@ -30,6 +30,7 @@ from lightning_v17.strategies import _lightning_compat, _pipeline, _precision
 from lightning_v17.strategies._checkpoint import ShardedCheckpoints
 from lightning_v17.strategies._collectives import WorldCollectives, init_world
 from lightning_v17.strategies._context import ContextSteps, prepare_context_parallel_model
+from lightning_v17.strategies._engine_state import EngineState
 from lightning_v17.strategies._fault import FaultSteps
 from lightning_v17.strategies._options import (
     apply_config_to_trainer,
@@ -61,7 +62,6 @@ from lightning_v17.engine.parallelize import Parallelized, check_composition, pa
 from lightning_v17.engine.precision import mixed_precision_dtypes
 from lightning_v17.engine.zero import fsdp as fsdp_engine
 from lightning_v17.engine.zero import meta_init
-from lightning_v17.engine.zero.backend import ZeroBackend
 from lightning_v17.mesh import MeshRuntime, UnsetMesh, build_device_mesh
 from lightning_v17.resilience.watchdog import StepWatchdog
 
@@ -71,7 +71,9 @@ if TYPE_CHECKING:
 _RUNS = itertools.count()  # one watchdog key space per setup; every rank runs the same sequence of fits
 
 
-class V17Strategy(FaultSteps, TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints, ParallelStrategy):
+class V17Strategy(
+    FaultSteps, TokenSteps, ContextSteps, WorldCollectives, ShardedCheckpoints, EngineState, ParallelStrategy
+):
     """ZeRO-0/1/2/3 (and HSDP) x TP(+SP) x PP on a 5-axis device mesh, for any LightningModule, on CPU and GPU.
 
     The arguments are the mesh's axis sizes (an axis with options takes its policy instead, the size inside:
@@ -108,6 +110,7 @@ class V17Strategy(FaultSteps, TokenSteps, ContextSteps, WorldCollectives, Sharde
     """
 
     strategy_name = "v17"
+    _setup_call = "Trainer setup"
 
     def __init__(
         self,
@@ -161,41 +164,6 @@ class V17Strategy(FaultSteps, TokenSteps, ContextSteps, WorldCollectives, Sharde
     @property
     def zero_stage(self) -> int:
         return self.policy.zero.stage
-
-    @property
-    def mesh(self) -> MeshRuntime:
-        """The live mesh. Reading it before ``setup_environment`` raises (see :class:`~lightning_v17.mesh.UnsetMesh`)."""
-        if isinstance(self._mesh, UnsetMesh):
-            _ = self._mesh.spec  # raises the explanatory error
-        return self._mesh  # type: ignore[return-value]
-
-    @property
-    def parallel(self) -> Parallelized | None:
-        """What ``parallelize`` did to the model (None before ``setup``)."""
-        return self._parallel
-
-    @property
-    def zero(self) -> ZeroBackend:
-        """The applied ZeRO stage: ask it what is sharded, how to sync, how to save the optimizer."""
-        if self._parallel is None:
-            raise RuntimeError("strategy.zero exists after Trainer setup has parallelized the model")
-        return self._parallel.zero
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp = self.mesh["dp"]
-        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     @property
     @override
