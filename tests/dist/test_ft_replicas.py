@@ -340,6 +340,7 @@ def _assert_bitwise(a, b, where: str = "state") -> None:
 @pytest.mark.timeout(120)
 def test_replica_drop_trains_every_sample_once(tmp_path) -> None:
     """AdamW with clipping that clips: group 1 loses a rank mid-step 2; group 0 finishes the epoch alone."""
+    pytest.importorskip("torchft", reason="the ft extra: pip install 'lightning-v17[ft]'")
     run = _run(tmp_path, opt="adamw", clip=CLIP, samples=32, kill=[1, 1, 2], rejoin=False, timeout=100)
     print(_check(tmp_path, run, opt="adamw", clip=CLIP, samples=32, rejoin=False))
 
@@ -348,6 +349,7 @@ def test_replica_drop_trains_every_sample_once(tmp_path) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("opt", "clip"), [("sgd", None), ("adamw", CLIP)])
 def test_replica_drop_and_rejoin_from_live_peer(tmp_path, opt, clip) -> None:
+    pytest.importorskip("torchft", reason="the ft extra: pip install 'lightning-v17[ft]'")
     run = _run(tmp_path, opt=opt, clip=clip, samples=96, kill=[1, 1, 2], rejoin=True, timeout=280, solo_sleep=1.0)
     print(_check(tmp_path, run, opt=opt, clip=clip, samples=96, rejoin=True))
 

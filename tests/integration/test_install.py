@@ -105,10 +105,11 @@ def test_optional_backends_are_extras_and_the_make_pins_lie_in_the_ranges():
     for backend, extra in OPTIONAL.items():
         assert [r.name for r in extras[extra]] == [backend]
     assert [(r.name, r.extras) for r in extras["all"]] == [("lightning-v17", set(OPTIONAL.values()))]
-    ranges = {**deps, **{r.name: r for e in OPTIONAL.values() for r in extras[e]}}
+    ft = {r.name: r for r in extras["ft"]}  # torchft and its OpenTelemetry: an extra of its own, pinned as well
+    ranges = {**deps, **{r.name: r for e in OPTIONAL.values() for r in extras[e]}, **ft}
     pins = [Requirement(line) for line in (ROOT / "constraints.txt").read_text().splitlines()
             if line.strip() and not line.startswith("#")]  # fmt: skip
-    assert {p.name for p in pins} == {"torch", "lightning", *OPTIONAL}
+    assert {p.name for p in pins} == {"torch", "lightning", *OPTIONAL, *ft}
     for pin in pins:
         (spec,) = pin.specifier
         assert spec.operator == "==", f"constraints.txt must pin exactly: {pin}"
