@@ -22,6 +22,7 @@ import math
 import re
 import shlex
 import sys
+from dataclasses import replace
 from typing import Any
 
 from lightning_v17.config import CPMode, OptimizerKind, Precision, Recompute, Schedule, Tier, ZeroPolicy
@@ -329,7 +330,9 @@ def planned(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec,
     its batch), the layout the flags fix, the decision tree's with
     ``--rule-of-thumb``, else the fastest searched layout that passes the rules and fits (the tree's when none does)."""
     if args.config:  # the job's layout, and beside it the search over layouts at the job's batch and sequence
-        return make_plan(model, cluster, train), search(model, cluster, train, allow_nvme=args.allow_nvme_offload)
+        plan = make_plan(model, cluster, train)
+        batch = replace(train, global_batch=plan.layout.global_batch, microbatches=None)
+        return plan, search(model, cluster, batch, allow_nvme=args.allow_nvme_offload)
     if has_fixed_sizes(train) or args.rule_of_thumb:
         return make_plan(model, cluster, train), None
     found = search(model, cluster, train, allow_nvme=args.allow_nvme_offload)

@@ -237,7 +237,7 @@ def job_specs(doc: Mapping[str, Any], *, cluster: ClusterSpec | None = None,
     if shard != "auto" and replicate * shard != dp:
         raise V17ConfigError(f"trainer.strategy.init_args: dp_replicate x dp_shard = {replicate} x {shard} != "
                              f"{dp}, the devices left by tp x pp x cp ({world} / {tp * pp * cp})")  # fmt: skip
-    if replicate > 1 and zero.stage > 0:
+    if replicate > 1 and zero.shards_optimizer:
         raise V17ConfigError(f"dp_replicate={replicate} (HSDP) at ZeRO-{zero.stage} is not planned: the planner "
                              "shards ZeRO over every data-parallel rank; plan it with dp_replicate: 1")
 

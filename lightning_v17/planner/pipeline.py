@@ -22,7 +22,7 @@ from functools import lru_cache
 from lightning_v17.config import Schedule
 from lightning_v17.planner.simulate import OpTimes, sample_bubbles, simulate_schedule
 
-__all__ = ["OpTimes", "bubble_fraction"]
+__all__ = ["STEADY_MICROBATCHES_PER_STAGE", "OpTimes", "bubble_fraction"]
 
 
 def bubble_fraction(
@@ -60,9 +60,20 @@ def bubble_fraction(
     if pp == 1:
         return 0.0
     times = OpTimes() if op_times is None else op_times if isinstance(op_times, OpTimes) else tuple(op_times)
-    return _simulated(
-        schedule, pp, microbatches, virtual_stages, times, float(p2p_s), float(dispatch_s), float(step_overhead_s)
-    )
+    args = (times, float(p2p_s), float(dispatch_s), float(step_overhead_s))
+    m0 = STEADY_MICROBATCHES_PER_STAGE * pp
+    if microbatches <= 2 * m0 or not isinstance(times, OpTimes):
+        return _simulated(schedule, pp, microbatches, virtual_stages, *args)
+    # Past the warm-up and cool-down every further micro-batch adds the same busy and the same idle time to each
+    # rank (the steady state), so idle / busy-per-micro-batch, bubble x m, is linear in m: two simulations at m0
+    # and 2 m0 give it for any m at their cost (m = 8192 micro-batches on 64 stages would take minutes).
+    idle0 = _simulated(schedule, pp, m0, virtual_stages, *args) * m0
+    idle1 = _simulated(schedule, pp, 2 * m0, virtual_stages, *args) * 2 * m0
+    return (idle0 + (idle1 - idle0) * (microbatches - m0) / m0) / microbatches
+
+
+#: micro-batches per stage past which :func:`bubble_fraction` extrapolates the steady state instead of simulating
+STEADY_MICROBATCHES_PER_STAGE = 2
 
 
 @lru_cache(maxsize=256)

@@ -7,6 +7,12 @@ fixed, the recompute the cheapest that fits), keeps those that pass the rules ta
 fit every tier (:attr:`Plan.fits`: device, host and NVMe), and ranks them by predicted time per sample: the step
 time plus every collective counted as exposed (no overlap, an upper bound), over the global batch.
 
+Every candidate trains the same global batch G (``--global-batch``; else the rule of thumb's or one micro-batch per
+device, whichever is larger): a replica of dp gets G/dp rows, split into m micro-batches of b rows
+(:func:`split_batch`: the asked micro-batch where the rows allow it, and m >= pp so that a pipeline fills). At
+different batches a deeper pipeline would win by its larger m alone (its bubble (p - 1)/m, Narayanan 2021 §2.2).
+The cp scheme is the one that sends fewer bytes at that cp (``CPMode.AUTO``, the lower of both schemes' time).
+
 Pruning (dominated options are not evaluated):
 - recomputation costs time and only saves memory, so each layout takes the least that fits (``make_plan``);
 - a higher ZeRO stage only adds traffic, so once a stage fits without recomputation or offload, the higher ones of
@@ -150,6 +156,20 @@ def has_fixed_sizes(train: TrainSpec) -> bool:
     return any(getattr(train, name) is not None for name in FIXED_SIZES)
 
 
+def split_batch(global_batch: int, *, dp: int, micro_batch: int, pp: int) -> tuple[int, int] | None:
+    """(b, m): the rows each data-parallel replica trains per step, ``global_batch / dp``, as ``m`` micro-batches of
+    ``b`` rows, ``b`` the largest divisor of the rows up to ``micro_batch`` that leaves a pipeline ``m >= pp``
+    micro-batches to fill its stages with (G = dp·b·m, Narayanan 2021 §2). None when ``dp`` does not divide the
+    global batch or a replica's rows cannot fill ``pp`` stages."""
+    if global_batch % dp:
+        return None
+    rows = global_batch // dp
+    for b in range(min(micro_batch, rows), 0, -1):
+        if rows % b == 0 and rows // b >= pp:
+            return b, rows // b
+    return None
+
+
 def _options(values: list[int], world: int, used: int) -> list[int]:
     return [v for v in values if world % (used * v) == 0]
 
@@ -199,6 +219,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, allow_nv
     cluster = replace(cluster, gpus=world)
     base = replace(train, **{name: None for name in FIXED_SIZES})
     rule_of_thumb = make_plan(model, cluster, base)
+    # every candidate trains one global batch: the user's, else the rule of thumb's or one micro-batch per device,
+    # whichever is larger (each replica of tp·pp·cp devices then has at least pp micro-batches to fill its pipeline)
+    batch = train.global_batch or max(rule_of_thumb.layout.global_batch, world * train.micro_batch)
+    base = replace(base, global_batch=None, microbatches=None)
     shape = model.shape
     seq = train.seq or (shape.seq if shape is not None else 2048)
     found: list[Candidate] = []
@@ -212,8 +236,12 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, allow_nv
             eps = [e for e in divisors(experts) if dp % e == 0] if experts else [1]
             best_cp = None
             best_ep = None
+            split = split_batch(batch, dp=dp, micro_batch=train.micro_batch, pp=pp)
+            if split is None:
+                break  # a larger cp leaves fewer replicas, each with more rows: it may fill the pipeline
             for ep in eps:
-                cell = replace(base, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, schedule=schedule, virtual_stages=v)
+                cell = replace(base, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, schedule=schedule, virtual_stages=v,
+                               micro_batch=split[0], microbatches=split[1])  # fmt: skip
                 got, n = _cell(model, cluster, cell, train, allow_nvme)
                 evaluated += n
                 found += got
@@ -227,7 +255,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, allow_nv
             previous = best_cp if best_cp is not None else previous
     found.sort(key=lambda c: (c.per_sample_s, c.plan.layout.gpus, describe(c.plan)))
     published = tuple((p, plan) for p in PUBLISHED if p.model == model.name and p.gpus == world and p.seq == seq
-                      and (plan := _evaluate(model, cluster, replace(base, **_sizes(p.train)))) is not None)
+                      and (plan := _evaluate(model, cluster, replace(base, global_batch=batch,
+                                                                     **_sizes(p.train)))) is not None)
     changes = _changes(model, cluster, train, allow_nvme) if suggest and not found else ()
     return SearchResult(tuple(found), rule_of_thumb, evaluated, published, changes)
 
@@ -342,4 +371,4 @@ def render(result: SearchResult, top: int) -> str:
 
 
 __all__ = ["PUBLISHED", "Candidate", "Published", "SearchResult", "Terms", "describe", "has_fixed_sizes", "render",
-           "rule_failures", "search", "terms", "to_dict"]
+           "rule_failures", "search", "split_batch", "terms", "to_dict"]
