@@ -66,7 +66,15 @@ def checkpoint_write_s(bytes_per_node: float, *, write_bytes_per_s: float) -> fl
     return bytes_per_node / write_bytes_per_s
 
 
-__all__ = ["checkpoint_write_s", "cluster_mtbf_s", "daly_interval_s", "expected_goodput", "young_interval_s"]
+__all__ = [
+    "checkpoint_write_s",
+    "cluster_mtbf_s",
+    "daly_interval_s",
+    "expected_goodput",
+    "goodput_by_path",
+    "replica_drop_goodput",
+    "young_interval_s",
+]
 
 
 def expected_goodput(
@@ -106,3 +114,88 @@ def expected_goodput(
     segment_s = interval_s + overhead_s + checkpoint_s
     wall_per_compute = m * math.exp(restart_s / m) * math.expm1(segment_s / m) / interval_s
     return 1.0 / wall_per_compute
+
+
+def replica_drop_goodput(
+    *,
+    mtbf_s: float,
+    replica_groups: int,
+    detect_s: float,
+    step_s: float,
+    replace_s: float,
+    checkpoint_fraction: float = 0.0,
+) -> float:
+    """Expected goodput when a failure drops one replica group instead of restarting the job (torchft's replica
+    drop, ``V17Strategy(fault_tolerance=FTPolicy(...))``), to first order in the failure rate.
+
+    Per failure every group stalls for the detection ``d`` (the kill until the survivors' next step) and re-runs the
+    failed step ``s``; the failed group's share ``1/G`` of the global batch is then missing for ``r`` seconds (its
+    replacement's start and heal), since the survivors' steps shrink to their own share. Failures arrive at rate
+    ``1/M`` for the whole job, so the expected waste is Young 1974's (CACM 17(9)) first-order form, waste per failure
+    times rate::
+
+        goodput = (1 - c) · (1 - (d + s + r / G) / M)
+
+    ``c``: the fraction of time still spent writing checkpoints for the failures that hit every group at once. Valid
+    while ``d + s + r`` is small against ``M`` (one failure at a time); clamped at 0.
+
+    Args:
+        mtbf_s: M, mean wall seconds between failures of the whole job (:func:`cluster_mtbf_s`).
+        replica_groups: G, the replica groups (``dp_replicate``).
+        detect_s: d, seconds from a failure to the survivors' next step (measured: ``bench/fault.py``).
+        step_s: s, seconds of one training step (the failed step, re-run).
+        replace_s: r, seconds until a replacement group trains (its start-up and the state transfer).
+        checkpoint_fraction: c, share of wall time blocked on checkpoint writes.
+    """
+    if not mtbf_s > 0 or replica_groups < 2 or min(detect_s, step_s, replace_s) < 0 or not 0 <= checkpoint_fraction < 1:
+        raise ValueError(
+            f"mtbf_s={mtbf_s} must be > 0, replica_groups={replica_groups} >= 2, detect_s={detect_s}, "
+            f"step_s={step_s} and replace_s={replace_s} >= 0 and checkpoint_fraction={checkpoint_fraction} in [0, 1)"
+        )
+    lost_s = detect_s + step_s + replace_s / replica_groups
+    return max(0.0, (1.0 - checkpoint_fraction) * (1.0 - lost_s / mtbf_s))
+
+
+def goodput_by_path(
+    *,
+    node_mtbf_s: float,
+    nodes: int,
+    checkpoint_s: float,
+    restart_s: float,
+    inprocess_restart_s: float,
+    snapshot_s: float,
+    step_s: float,
+    replica_groups: int,
+    drop_s: float,
+    replace_s: float,
+) -> dict[str, float]:
+    """Expected goodput of the three recovery paths for one job, from the node MTBF, the node count and the
+    measured recovery times (``bench/fault.py``).
+
+    * ``"job_restart"``: every process restarts and reloads the newest disk checkpoint, written at Daly's optimum
+      interval (:func:`daly_interval_s`, :func:`expected_goodput` with ``restart_s``);
+    * ``"in_process_restart"``: the processes stay, the group re-forms and the state comes from the newest in-memory
+      snapshot, taken at Daly's interval for ``snapshot_s`` but at most once a step (:func:`expected_goodput` with
+      ``inprocess_restart_s``);
+    * ``"replica_drop"``: the failed replica group is dropped at that step (:func:`replica_drop_goodput`).
+
+    The last two still write disk checkpoints for the failures they do not cover (a whole node's memory lost, every
+    group at once); those are far rarer than ``M``, so their interval is far longer and their cost is left out here.
+
+    Args:
+        node_mtbf_s: mean seconds between failures of one node; nodes: the job's nodes (:func:`cluster_mtbf_s`).
+        checkpoint_s: seconds blocked per disk checkpoint; restart_s: failure to first step of a restarted job.
+        inprocess_restart_s: failure to first step without new processes; snapshot_s: seconds per in-memory snapshot.
+        step_s: seconds per training step; replica_groups: ``dp_replicate``.
+        drop_s: failure to the survivors' next step; replace_s: until a replacement group trains.
+    """
+    mtbf_s = cluster_mtbf_s(node_mtbf_s, nodes)
+    interval_s = daly_interval_s(checkpoint_s, mtbf_s) if checkpoint_s > 0 else mtbf_s
+    restart = expected_goodput(interval_s=interval_s, checkpoint_s=checkpoint_s, mtbf_s=mtbf_s, restart_s=restart_s)
+    snap_every_s = max(step_s, daly_interval_s(snapshot_s, mtbf_s)) if snapshot_s > 0 else step_s
+    inprocess = expected_goodput(interval_s=snap_every_s, checkpoint_s=snapshot_s, mtbf_s=mtbf_s,
+                                 restart_s=inprocess_restart_s)  # fmt: skip
+    drop = replica_drop_goodput(
+        mtbf_s=mtbf_s, replica_groups=replica_groups, detect_s=drop_s, step_s=step_s, replace_s=replace_s
+    )
+    return {"job_restart": restart, "in_process_restart": inprocess, "replica_drop": drop}

@@ -104,7 +104,7 @@ def test_optional_backends_are_extras_and_the_make_pins_lie_in_the_ranges():
     assert not set(OPTIONAL) & set(deps), "deepspeed, bitsandbytes and torchao must be extras, not dependencies"
     for backend, extra in OPTIONAL.items():
         assert [r.name for r in extras[extra]] == [backend]
-    assert [(r.name, r.extras) for r in extras["all"]] == [("lightning-v17", set(OPTIONAL.values()))]
+    assert [(r.name, r.extras) for r in extras["all"]] == [("lightning-v17", {*OPTIONAL.values(), "ft"})]
     ft = {r.name: r for r in extras["ft"]}  # torchft and its OpenTelemetry: an extra of its own, pinned as well
     ranges = {**deps, **{r.name: r for e in OPTIONAL.values() for r in extras[e]}, **ft}
     pins = [Requirement(line) for line in (ROOT / "constraints.txt").read_text().splitlines()
