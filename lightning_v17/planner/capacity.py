@@ -35,6 +35,24 @@ def machine_memory_bytes() -> int:
         raise OSError("cannot read this machine's memory; give --host-memory GB") from None
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (``os.sched_getaffinity``; ``os.cpu_count`` where that is missing)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def core_share(cluster: ClusterSpec, gpus: int) -> float:
+    """The cores one rank computes with on ``cpu``, as a share of the one core the ``cpu`` row's peak is: the ranks
+    of one machine beyond its cores share them, ``min(1, cores / ranks per node)`` (4 ranks on 2 cores: 0.5 each).
+    1 on an accelerator, whose ranks each own a device."""
+    if cluster.accelerator.name != "cpu":
+        return 1.0
+    cores = cluster.cpu_cores or machine_cores()
+    return min(1.0, cores / ranks_per_node(cluster, gpus))
+
+
 def free_disk_bytes(path: str) -> int:
     """Free bytes of the file system that holds ``path`` (``shutil.disk_usage``: what an unprivileged user may
     write)."""
@@ -120,7 +138,9 @@ __all__ = [
     "SERVER_HOST_BYTES_PER_DEVICE",
     "TierCheck",
     "capacity_checks",
+    "core_share",
     "free_disk_bytes",
+    "machine_cores",
     "machine_memory_bytes",
     "ranks_per_node",
 ]

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nvme-path", default=".",
                    help="directory the nvme tier writes to; its free space is the default --nvme-capacity "
                         "(default: the current directory)")
+    c.add_argument("--cpu-cores", type=_positive_int,
+                   help="on --gpu cpu: the cores its ranks share (default: this machine's); a rank computes at one "
+                        "core's peak times min(1, cores / ranks)")
     c.add_argument("--checkpoint-write-s", type=_positive_float, help="checkpoint write time (default: estimated)")
     t = p.add_argument_group("layout and training (unset: searched)")
     for flag in ("tp", "pp", "dp", "cp"):
@@ -290,6 +293,7 @@ def _specs_from_flags(args: argparse.Namespace, *, job: bool = False) -> tuple[M
         pcie_gbps=args.pcie_gbps, nvme_gbps=args.nvme_gbps, storage_gbps=args.storage_gbps,
         node_mtbf_hours=args.node_mtbf_hours, memory_reserve=args.memory_reserve,
         host_memory_gb=args.host_memory, host_reserve=args.host_reserve, nvme_capacity_gb=args.nvme_capacity, nvme_path=args.nvme_path,
+        cpu_cores=args.cpu_cores,
     )  # fmt: skip
     train = TrainSpec(
         tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp,

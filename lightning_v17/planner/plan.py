@@ -474,7 +474,7 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     else:
         hw = thr.flops_per_token_from_params(num_params, recompute=lay.recompute) * tokens
         model_flops = thr.flops_per_token_from_params(num_params) * tokens
-    peak = acc.peak_flops_for(lay.precision)
+    peak = acc.peak_flops_for(lay.precision) * cap.core_share(cluster, lay.gpus)  # cpu: ranks share the cores
     compute_s = thr.compute_time_s(hw, model_flops_per_step=model_flops, gpus=lay.gpus, peak_flops=peak,
                                    mfu=train.mfu, bubble_fraction=bubble)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_v17.config import OptimizerKind, Precision, Tier
 from lightning_v17.config.schedules import schedule_info
+from lightning_v17.planner import capacity as cap
 from lightning_v17.planner import memory as mem
 from lightning_v17.planner.capacity import TierCheck, capacity_checks
 from lightning_v17.planner.model_search import MaxModel
@@ -117,8 +118,10 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
         out.append(f"v17 plan: {fmt_count(plan.model.num_params)} params (no shape: model state only)")
     gpn = plan.cluster.gpus_per_node or acc.gpus_per_node
     peak = acc.peak_flops_for(lay.precision)
+    share = cap.core_share(plan.cluster, lay.gpus)
+    shared = f" at {share:.2g} of a core per rank (the ranks share this machine's cores)" if share < 1 else ""
     out.append(f"cluster : {lay.gpus} x {acc.name} ({plan.nodes} node{'s' * (plan.nodes > 1)} x {gpn}), "
-               f"{fmt_bytes(acc.memory_bytes)} and {fmt_rate(peak)} ({_dtype(lay.precision)}) per device")
+               f"{fmt_bytes(acc.memory_bytes)} and {fmt_rate(peak)} ({_dtype(lay.precision)}) per device{shared}")
     ep = f" ep={lay.ep}" if plan.moe is not None else ""
     cp_mode = f" ({lay.cp_mode.value})" if lay.cp_mode is not None else ""
     out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp}{cp_mode}{ep} sp={'on' if lay.sp else 'off'} "
@@ -246,7 +249,7 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
             "gpu": acc.name, "gpus": lay.gpus, "gpus_per_node": plan.cluster.gpus_per_node or acc.gpus_per_node,
             "nodes": plan.nodes, "memory_bytes": int(acc.memory_bytes),
             "memory_reserve": plan.cluster.memory_reserve, "usable_memory_bytes": plan.cluster.usable_memory_bytes,
-            "peak_flops": acc.peak_flops_for(lay.precision),
+            "peak_flops": acc.peak_flops_for(lay.precision), "core_share": cap.core_share(plan.cluster, lay.gpus),
         },
         "layout": {
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "sp": lay.sp, "zero_stage": lay.zero.stage,

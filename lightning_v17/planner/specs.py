@@ -92,6 +92,9 @@ class ClusterSpec:
             space at ``nvme_path`` on this machine.
         nvme_path: the directory the nvme tier writes to (``OffloadPolicy``'s NVMe path); its free space is the
             default ``nvme_capacity_gb``. Default: the current directory.
+        cpu_cores: on ``cpu``, the cores of one machine its ranks share; a rank computes at the ``cpu`` row's
+            one-core peak times ``min(1, cpu_cores / ranks per node)`` (:func:`~lightning_v17.planner.capacity.
+            core_share`). None: the cores this process may run on.
     """
 
     gpu: str = "h100-80gb"
@@ -106,6 +109,7 @@ class ClusterSpec:
     host_reserve: float = 0.1
     nvme_capacity_gb: float | None = None
     nvme_path: str = "."
+    cpu_cores: int | None = None
 
     def __post_init__(self) -> None:
         _positive("host_memory_gb", self.host_memory_gb, kind=float)
@@ -120,6 +124,7 @@ class ClusterSpec:
         get_accelerator(self.gpu)
         _positive("gpus", self.gpus)
         _positive("gpus_per_node", self.gpus_per_node)
+        _positive("cpu_cores", self.cpu_cores)
         for name in ("pcie_gbps", "nvme_gbps", "storage_gbps", "node_mtbf_hours"):
             _positive(name, getattr(self, name), allow_none=False, kind=float)
 

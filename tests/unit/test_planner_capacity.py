@@ -118,3 +118,18 @@ def test_max_model_of_the_example_is_the_deepest_whose_nvme_fits(capsys):
     assert 14 * (layers * PER_LAYER + EMBED) <= 78e9 < 14 * ((layers + 1) * PER_LAYER + EMBED)
     text = _text(capsys, *EXAMPLE, "--nvme-capacity", "78", "--host-memory", "1000", "--max-model")
     assert "max model: 5.52B params (26 layers)" in text and "refused by the nvme" in text
+
+
+def test_cpu_ranks_beyond_the_cores_share_them(capsys):
+    # The cpu row's peak is one core's; 4 ranks on 2 cores compute at half of it each: the same FLOPs take twice
+    # the compute time, the communication is unchanged.
+    argv = ("--model", "tiny", "--gpu", "cpu", "--gpus", "4", "--tp", "1", "--pp", "1", "--zero-stage", "1")
+    own = _plan(capsys, *argv, "--cpu-cores", "4")
+    shared = _plan(capsys, *argv, "--cpu-cores", "2")
+    assert (own["cluster"]["core_share"], shared["cluster"]["core_share"]) == (1.0, 0.5)
+    comm = own["comm"]["time_s_if_not_overlapped"]
+    assert shared["comm"]["time_s_if_not_overlapped"] == comm
+    compute_own = own["flops"]["step_time_s"]
+    assert shared["flops"]["step_time_s"] == pytest.approx(2 * compute_own, rel=1e-12)
+    assert "at 0.5 of a core per rank" in _text(capsys, *argv, "--cpu-cores", "2")
+    assert _plan(capsys, *argv[:5], "2", *argv[6:], "--cpu-cores", "2")["cluster"]["core_share"] == 1.0

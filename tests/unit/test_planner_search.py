@@ -89,10 +89,10 @@ def test_the_choice_fits_every_tier_passes_the_rules_and_emits_a_strategy(preset
 
 def test_llama3_405b_at_131072_on_16384_recommends_cp_and_fits_where_the_tree_did_not():
     model, cluster, train = _specs("--model", "llama3-405b", "--gpus", "16384", "--seq", "131072")
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: other jobs on the machine do not count
     result = search(model, cluster, train)
-    seconds = time.perf_counter() - start
-    assert seconds < 8, seconds  # under 2 s on an idle core; the bound leaves room for a loaded machine
+    seconds = time.process_time() - start
+    assert seconds < 8, seconds  # about 2.5 s; the bound leaves room for a slower core
     best = result.best
     assert best.layout.cp > 1 and best.fits and rule_failures(best) == []
     assert not result.rule_of_thumb.fits  # the decision tree's tp=8 pp=8 cp=1 does not
@@ -224,6 +224,6 @@ def test_the_steady_state_extrapolation_equals_the_simulation():
                 exact = _simulated(schedule, pp, m, v, times, p2p, 0.0, 0.0)
                 got = bubble_fraction(schedule, pp=pp, microbatches=m, virtual_stages=v, op_times=times, p2p_s=p2p)
                 assert got == pytest.approx(exact, rel=1e-9, abs=1e-15), (schedule, pp, times, p2p)
-    start = time.perf_counter()
+    start = time.process_time()
     bubble_fraction("1f1b", pp=64, microbatches=8192)  # 64 stages x 8192 micro-batches: minutes to simulate
-    assert time.perf_counter() - start < 5
+    assert time.process_time() - start < 5
