@@ -22,6 +22,13 @@ single-process replay, and splits the kill-to-first-step time into detection (th
 fails), rendezvous (until its agent has re-formed the group and started a new worker: dead-node expiry and the
 last-call wait, set by ``--rdzv-conf``), Python imports, group formation, load (set-up and checkpoint restore) and
 the first step.
+
+``--scenario side-by-side --json-out bench/results/fault.json``: the restart above and the replica drop of
+``V17Strategy(fault_tolerance=FTPolicy(...))`` (``tests/dist/test_ft_replicas.py``: two replica groups of 2 ranks,
+ZeRO-3, on torchft; rank 1 of group 1 SIGKILLs itself mid-step and group 0 goes on) in one invocation, ``--tries``
+of each. Each drop try is checked as its test checks it (every sample once, losses and parameters against a
+one-process replay); its kill-to-next-step time is the kill until the survivors' next quorum, the start of their next
+step. The ratio is the restart's kill-to-first-step median over the drop's.
 """
 
 from __future__ import annotations
@@ -61,21 +68,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tries", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=None, help="step after which a rank (or agent) is killed")
-    parser.add_argument("--scenario", choices=("restart", "agent-kill"), default="restart")
+    parser.add_argument("--scenario", choices=("restart", "agent-kill", "side-by-side"), default="restart")
+    parser.add_argument("--json-out", default=None, help="also write the summary there (side-by-side)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="v17_fault_"))
     if args.scenario == "agent-kill":
         return agent_kill(tmp, tries=args.tries, kill_at=args.kill_at or 5)
-    args.kill_at = args.kill_at or 10
+    if args.scenario == "side-by-side":
+        return side_by_side(tmp, tries=args.tries, kill_at=args.kill_at or 10, json_out=args.json_out)
+    summary = restart_summary(restart_tries(tmp, tries=args.tries, kill_at=args.kill_at or 10))
+    print(json.dumps(summary))
+
+
+def restart_tries(tmp: Path, *, tries: int, kill_at: int) -> list[dict]:
+    """``tries`` torchrun restarts, each compared with one uninterrupted run (one JSON line per try on stderr)."""
     ref = run_job(tmp / "ref")
     if ref.returncode != 0:
         raise SystemExit(f"the uninterrupted reference run failed:\n{ref.stdout[-3000:]}")
     want = losses(tmp / "ref" / "losses-0.jsonl")
-    tries = []
-    for i in range(args.tries):
+    rows = []
+    for i in range(tries):
         root = tmp / f"try{i}"
         t0 = time.perf_counter()
-        proc = run_job(root, kill_at=args.kill_at, max_restarts=1, timeout=240)
+        proc = run_job(root, kill_at=kill_at, max_restarts=1, timeout=240)
         got = losses(root / "losses-1.jsonl")
         row = {"try": i, "rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
                "resumed_steps": sorted(got)}  # fmt: skip
@@ -85,17 +100,69 @@ def main() -> None:
             row.update(split(events(root)))
         else:
             row["tail"] = proc.stdout[-1500:]
-        tries.append(row)
+        rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tail"}), file=sys.stderr, flush=True)
+    return rows
+
+
+def restart_summary(tries: list[dict]) -> dict:
     good = [t for t in tries if t["ok"]]
-    summary = {
+    return {
         "benchmark": "torchrun_restart",
         "tries": len(tries),
         "ok": len(good),
         "median": {k: round(statistics.median(t[k] for t in good), 3) for k in MEDIANS} if good else None,
         "failures": [{k: t[k] for k in ("try", "rc", "tail")} for t in tries if not t["ok"]],
     }
-    print(json.dumps(summary))
+
+
+def drop_tries(tmp: Path, *, tries: int) -> list[dict]:
+    """``tries`` replica drops on torchft (``tests/dist/test_ft_replicas.py``), each checked as the test checks it."""
+    from tests.dist.test_ft_replicas import CLIP, _check, _run
+
+    rows = []
+    for i in range(tries):
+        out = tmp / f"drop{i}"
+        out.mkdir(parents=True)
+        t0 = time.perf_counter()
+        row: dict = {"try": i}
+        try:
+            run = _run(out, opt="adamw", clip=CLIP, samples=32, kill=[1, 1, 2], rejoin=False, timeout=200)
+            row.update(ok=True, **_check(out, run, opt="adamw", clip=CLIP, samples=32, rejoin=False))
+        except AssertionError as err:
+            row.update(ok=False, failure=str(err)[-1500:])
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "failure"}), file=sys.stderr, flush=True)
+    return rows
+
+
+def side_by_side(tmp: Path, *, tries: int, kill_at: int, json_out: str | None) -> None:
+    """The torchrun restart and the torchft replica drop, ``tries`` each, in one invocation."""
+    from _common import emit_json  # bench/ is the script's folder: on the path
+
+    restart = restart_summary(restart_tries(tmp, tries=tries, kill_at=kill_at))
+    drops = drop_tries(tmp, tries=tries)
+    good = [r for r in drops if r["ok"]]
+    drop = {
+        "benchmark": "replica_drop_torchft",
+        "tries": len(drops),
+        "ok": len(good),
+        "median": {"kill_to_next_step_s": round(statistics.median(r["latency_s"] for r in good), 3)} if good else None,
+        "max": {k: max(r[k] for r in good) for k in ("latency_s", "loss_diff", "param_diff")} if good else None,
+        "failures": [{"try": r["try"], "failure": r["failure"]} for r in drops if not r["ok"]],
+    }
+    restart_s = (restart["median"] or {}).get("kill_to_first_step_s")
+    drop_s = (drop["median"] or {}).get("kill_to_next_step_s")
+    report = {
+        "benchmark": "fault_recovery_side_by_side",
+        "what": "seconds from a SIGKILLed rank to the next training step: the whole job restarted by torchrun from "
+        "its newest checkpoint, against the other replica group going on (torchft)",
+        "restart": restart,
+        "replica_drop": drop,
+        "ratios": {"restart_over_replica_drop": round(restart_s / drop_s, 2) if restart_s and drop_s else None},
+    }
+    emit_json(report, json_out)
 
 
 AGENT_KILL_MEDIANS = ("detection_s", "rendezvous_s", "worker_exit_s", "agent_rendezvous_s", "spawn_s",

@@ -87,7 +87,7 @@ class FaultSteps:
             raise V17ConfigError("V17Strategy(fault_tolerance=FTPolicy(...)) supports one optimizer")
         schedulers = [c.scheduler for c in self.lr_scheduler_configs]  # type: ignore[attr-defined]
         opt = optimizers[0]
-        inner = types.MethodType(type(opt).step, opt)
+        inner = opt.__dict__.get("step") or types.MethodType(type(opt).step, opt)  # an instance-level step stays
         env = self.cluster_environment  # type: ignore[attr-defined]
         self._ft = ft = FTReplica(
             self._ft_policy, group_rank=self.global_rank, group_world_size=self.world_size,  # type: ignore[attr-defined]

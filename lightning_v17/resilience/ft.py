@@ -24,6 +24,8 @@ that step on.
 
 from __future__ import annotations
 
+import collections
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
@@ -81,7 +83,7 @@ def local_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], 
             }
             for opt in optimizers
         ],
-        "schedulers": [s.state_dict() for s in schedulers],
+        "schedulers": [{k: v for k, v in s.state_dict().items() if not callable(v)} for s in schedulers],
     }
 
 
@@ -173,8 +175,8 @@ class FTReplica:
             replica_id=policy.replica_name(), heartbeat_interval=timedelta(seconds=policy.heartbeat_interval),
             init_sync=policy.init_sync,
         )  # fmt: skip
-        #: one entry per step attempt: quorum time, participants, replica rank, position, committed, healed
-        self.history: list[dict[str, Any]] = []
+        #: the last 1000 step attempts: quorum time, participants, replica rank, position, committed, healed
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
         self.committed = True  # the last step's vote (schedulers advance only on committed steps)
 
     # ------------------------------------------------------------------ a step
@@ -208,7 +210,8 @@ class FTReplica:
         grads = [_local(p.grad) for p in params if p.grad is not None]
         if not grads:
             return
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)  # bf16 sums in fp32
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
         self.manager.allreduce(flat).wait()
         offset = 0
         with torch.no_grad():
