@@ -6,7 +6,7 @@ The path a model that does not fit takes: ``configure_model`` builds on meta, Ze
 shards are allocated, initialized and written to the nvme tier one unit after another
 (:func:`~lightning_v17.engine.zero.meta_init.materialize_meta_module` with the tier's ``after_group``), so a rank
 never holds its whole shard of the model. The model: an MLP of ``BLOCKS`` residual blocks (norm, up, GELU, down) between an
-input and an output projection, 3.2M parameters, fp32, MSE on fixed random data, 3 steps; plain SGD without clipping
+input and an output projection, 4.2M parameters, fp32, MSE on fixed random data, 3 steps; plain SGD without clipping
 and AdamW with clipping at :data:`CLIP` (below every step's norm, so it clips).
 
 * **Name-seeded init** (every Linear draws its whole weight from a generator seeded by its name and copies this
@@ -15,8 +15,11 @@ and AdamW with clipping at :data:`CLIP` (below every step's norm, so it clips).
   norm and every parameter after the steps within 1e-5.
 * **Modules' own init** (``nn.Linear.reset_parameters``, global RNG, same seed): nvme/nvme matches the same 2-rank
   meta-init run without offload within 1e-5 (the calls run in the same order whether or not a tier takes the units).
-* **Streamed**: while the shards are written, the parameter bytes in memory never exceed two units' and the root
-  group's, under 40% of the rank's shard of the model (a tier that took the shards only after all were allocated
+* **Refused before training**: a drive with room for one rank's bytes but not for both ranks' (``shutil.disk_usage``
+  reports that much free): for the parameters alone, the host's check refuses before the first unit is written; for
+  parameters and AdamW state, before step 0 (the message names the path, the free space and the bytes).
+* **Streamed**: while the shards are written, the parameter bytes in memory never exceed three units' (the one
+  initialized, two in write-back) and the root group's, under 40% of the rank's shard of the model (a tier that took the shards only after all were allocated
   held the whole shard).
 """
 
@@ -37,7 +40,7 @@ TOL = 1e-5
 STEPS = 3
 WORLD = 2
 BATCH = 8  # rows per rank and step
-IN, HIDDEN, OUT, BLOCKS = 64, 256, 32, 6
+IN, HIDDEN, OUT, BLOCKS = 64, 256, 32, 8
 CLIP = 0.05
 SGD_LR = 0.05
 ADAMW = {"lr": 1e-3, "eps": 1e-5, "weight_decay": 0.1}
@@ -49,6 +52,8 @@ CASES = {  # name -> (init, V17Strategy offload keywords or None)
     "own_memory": ("own", None),
 }
 OPTIMIZERS = ("sgd", "adamw")
+#: bytes of one rank's fp32 parameter shards (half of every weight, each in 4096-byte slots of its unit's file)
+SHARD_BYTES = (IN * HIDDEN + HIDDEN + HIDDEN * OUT) * 2 + BLOCKS * (HIDDEN + 8 * HIDDEN * HIDDEN) * 2
 
 
 def _data():
@@ -221,13 +226,57 @@ def _fit(rank: int, name: str, opt: str, nvme: str) -> dict:
             "root_bytes": shard - sum(units), "shard_bytes": shard, "left": sorted(os.listdir(nvme))}  # fmt: skip
 
 
+def _refused(rank: int, nvme: str, free: int) -> dict:
+    """The seeded_nvme AdamW run on a drive that reports ``free`` bytes free: the error, and whether a step ran."""
+    import shutil
+
+    from lightning_v17.config import V17ConfigError
+
+    def written() -> int:  # what the tier's files hold now: no longer free on a real drive
+        return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(nvme) for f in fs)
+
+    from lightning_v17.engine.zero import meta_init
+
+    allocated = []  # the shards materialized (and streamed to the drive) before the refusal
+    orig = meta_init._materialize_fsdp_param
+    meta_init._materialize_fsdp_param = lambda fp, device: allocated.append(1) or orig(fp, device)
+    real = shutil.disk_usage
+    shutil.disk_usage = lambda path: real(path)._replace(free=free - written())
+    try:
+        _fit(rank, "seeded_nvme", "adamw", nvme)
+        return {"error": None}
+    except V17ConfigError as err:
+        import torch.distributed as dist
+
+        dist.barrier()  # both ranks' teardowns done: the tier folder is shared
+        return {
+            "error": str(err),
+            "allocated": len(allocated),
+            "left": sorted(
+                os.path.relpath(os.path.join(d, f), nvme) for d, ds, fs in os.walk(nvme) for f in [*ds, *fs]
+            ),
+        }
+    finally:
+        shutil.disk_usage = real
+        meta_init._materialize_fsdp_param = orig
+
+
 def _fit_all(rank: int, world: int, tmp: str) -> dict:
+    from lightning_v17.engine.offload.nvme import free_margin_bytes
+
     out = {}
     for name in CASES:
         for opt in OPTIMIZERS:
             nvme = os.path.join(tmp, f"{name}_{opt}")
             os.makedirs(nvme, exist_ok=True)
             out[(name, opt)] = _fit(rank, name, opt, nvme)
+    # the drive holds one rank's bytes (each rank's own check passes) but not both ranks' (the host's check refuses)
+    params = SHARD_BYTES
+    for what, need in (("params", params), ("params+optimizer", 3 * params)):
+        nvme = os.path.join(tmp, f"refused_{what}")
+        os.makedirs(nvme, exist_ok=True)
+        free = (free_margin_bytes(need) + free_margin_bytes(2 * need)) // 2
+        out[("refused", what)] = _refused(rank, nvme, free) | {"free": free, "need": 2 * need}
     return out
 
 
@@ -273,8 +322,22 @@ def test_units_stream_into_the_tier(runs, name) -> None:
     for got in runs["v17"]:
         got = got[(name, "sgd")]
         assert len(got["held"]) == BLOCKS + 1, got["held"]  # every unit and the root's group, each once
-        # the unit being written, the previous one's writes in flight, and the root's group (its input and output
-        # projections are initialized first and last): not the rank's whole shard
-        assert max(got["held"]) <= 2 * got["unit_bytes"] + got["root_bytes"] + 4 * 4096, got
+        # the unit being written, the earlier units' write-backs in flight (ParamOffload.release: at most 4 besides
+        # the unit's own, here 2 units' weights) and the root's group (its input and output projections are
+        # initialized first and last): not the rank's whole shard
+        assert max(got["held"]) <= 3 * got["unit_bytes"] + got["root_bytes"] + 4 * 4096, got
         assert max(got["held"]) < 0.4 * got["shard_bytes"], got
         assert got["left"] == [], got["left"]  # the tier's files are gone after fit
+
+
+@pytest.mark.parametrize("what", ["params", "params+optimizer"])
+def test_a_drive_without_room_for_both_ranks_is_refused_before_training(runs, what) -> None:
+    for got in runs["v17"]:
+        got = got[("refused", what)]
+        msg = got["error"]
+        assert msg is not None, f"{what}: a drive with room for one rank's bytes only must be refused"
+        assert "the 2 ranks on this host offload" in msg and "GiB free" in msg, msg
+        assert "refused_" in msg, msg  # the path
+        assert got["left"] == [], got["left"]  # no file left behind
+        # the parameters alone: refused before the first shard is allocated and streamed to the drive
+        assert (got["allocated"] == 0) == (what == "params"), got["allocated"]

@@ -188,6 +188,9 @@ class ParamOffload:
         self.shard_bytes = sum(r.nbytes for r in self.recs)
         self.nvme_bytes = sum(u.nbytes for u in self.units)
         nvme.check_nvme_path(nvme_path, need_bytes=self.nvme_bytes)
+        # the ranks of this host together, before any shard is written (a meta-initialized model streams its units to
+        # the files right away: a drive that fills up half-way through would fail there, not here)
+        nvme.check_node_capacity(nvme_path, self.nvme_bytes)
         host_memory = host_memory or HostMemory.RECYCLE
         self.host_memory = parse_enum(HostMemory, host_memory, option="OffloadPolicy(host_memory=...)")
         if self.host_memory == HostMemory.RETURN:
