@@ -93,14 +93,17 @@ def meta(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def save(
-    strategy: Any, checkpoint: dict[str, Any], filepath: Any, *, fabric_keys: dict[str, Any] | None = None
-) -> None:
+    strategy: Any, checkpoint: dict[str, Any], filepath: Any, *, fabric_keys: dict[str, Any] | None = None,
+    saver: Any = None,
+) -> None:  # fmt: skip
     """Write a sharded checkpoint directory; the model and optimizer states leave ``checkpoint`` for the shards.
 
     The Trainer's and Fabric's saves write the same layout: ``checkpoint["state_dict"]`` is the model component,
     ``checkpoint["optimizer_states"]`` the optimizer component (one optimizer as it is, several as ``optimizer_<i>``),
     the rest the trainer state. ``fabric_keys`` (a Fabric save) records which of the user's keys held the model and
-    the optimizers, in ``meta.json``."""
+    the optimizers, in ``meta.json``. With ``saver`` (an :class:`~lightning_v17.checkpoint.async_save.
+    AsyncShardedSaver` with nothing in flight) the state is staged and written in the background; the saver
+    publishes it."""
     from lightning_v17.checkpoint.sharded import save_sharded
 
     path = Path(strategy.broadcast(filepath))
@@ -112,7 +115,10 @@ def save(
     info["writer"] = "trainer" if fabric_keys is None else "fabric"
     if fabric_keys is not None:
         info["fabric_keys"] = fabric_keys
-    save_sharded(path, app_state=app_state, trainer_state=checkpoint, meta=info)
+    if saver is not None:
+        saver.start(path, app_state=app_state, trainer_state=checkpoint, meta=info)
+    else:
+        save_sharded(path, app_state=app_state, trainer_state=checkpoint, meta=info)
 
 
 def load(

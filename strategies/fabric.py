@@ -9,6 +9,7 @@ construction or at the call, never silently ignored (``docs/fabric.md``).
 
 from __future__ import annotations
 
+import atexit
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -124,6 +125,12 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
     precision, clipping, accumulation and batch keys, ``hang_timeout`` and ``loss_normalization="tokens"`` are refused
     with a :class:`~lightning_v17.config.V17ConfigError` (the loss is the one the user's loop computes: each rank's
     mean, as under Fabric's ``"ddp"``).
+
+    Its own argument: ``async_save``: ``fabric.save`` returns once the state is staged in host memory; the shards
+    are written in the background and the checkpoint is published (``meta.json`` last, then renamed into place, as a
+    synchronous save) by the first optimizer step or ``fabric.barrier`` that finds every rank's write done, and at the
+    latest by the next ``fabric.save`` or ``fabric.load`` or when the process exits. One save is in flight at a time;
+    a failed write discards the partial directory and leaves the previous checkpoint as it was.
     """
 
     _setup_call = "fabric.setup(model)"
@@ -146,6 +153,7 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         hang_timeout: float | None = None,
         loss_normalization: str = "rank_mean",
+        async_save: bool = False,
     ) -> None:
         super().__init__()  # accelerator, devices, cluster environment, precision: set by Fabric's connector
         self.policy = build_policy(zero_stage=zero_stage, activation_checkpointing=activation_checkpointing, tp=tp,
@@ -158,6 +166,7 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
         self._mesh: MeshRuntime | UnsetMesh = UnsetMesh()
         self._parallel: Parallelized | None = None
         self._num_nodes = 1
+        self._async_save, self._saver = bool(async_save), None
         self._backward_sync_control = _V17BackwardSyncControl(self)
 
     @classmethod
@@ -274,6 +283,7 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, **kwargs)
         self.zero.after_optimizer_step(optimizer)  # stages 1-2: this optimizer's parameters made whole again
+        self._publish(wait=False)
         return out
 
     @override
@@ -315,6 +325,7 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
+        self._publish(wait=False)
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
         else:
@@ -351,7 +362,28 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
         checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in rest.items()}
         checkpoint["state_dict"] = state_engine.get_model_state(module)
         checkpoint["optimizer_states"] = [self.zero.optimizer_state_dict(o) for o in optimizers.values()]
-        save(self, checkpoint, path, fabric_keys={"model": model_key, "optimizers": list(optimizers)})
+        self._publish(wait=True)  # one save in flight at a time
+        if self._async_save and self._saver is None:
+            from lightning_v17.checkpoint.async_save import AsyncShardedSaver
+
+            self._saver = AsyncShardedSaver()
+            atexit.register(self._publish, wait=True)  # a last save before the script ends is published, not lost
+        keys = {"model": model_key, "optimizers": list(optimizers)}
+        save(self, checkpoint, path, fabric_keys=keys, saver=self._saver)
+
+    def _publish(self, *, wait: bool) -> None:
+        """Publish the asynchronous save in flight: when every rank's write is done (``wait=False``: one all-reduce,
+        so only at a call every rank makes), or after waiting for this rank's write (``wait=True``)."""
+        if self._saver is not None and self._saver.in_flight:
+            self._saver.wait() if wait else self._saver.poll()
+
+    @override
+    def teardown(self) -> None:
+        self._publish(wait=True)
+        if self._saver is not None:
+            self._saver.close()
+            self._saver = None
+        super().teardown()
 
     @override
     def load_checkpoint(
@@ -367,6 +399,7 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
                            "pass the objects set up by fabric.setup: fabric.load(path, {'model': model, "
                            "'optimizer': optimizer, ...})")  # fmt: skip
         model_key, module, optimizers = self._objects(state, "fabric.load")
+        self._publish(wait=True)  # a save still in flight is published before anything is read
         remainder, _info = load(self, path, weights_only=weights_only, model=module,
                                 optimizers=list(optimizers.values()), option="fabric.load(path)")  # fmt: skip
         requested = [k for k in state if k != model_key and k not in optimizers]

@@ -3,8 +3,9 @@
 One LightningModule (the tiny reference Llama, 2 blocks, fp32, AdamW lr 1e-3 eps 1e-5, no clipping) trains ``STEPS``
 steps on fixed rows; under data parallelism each rank takes half of a step's rows, under tp = 2 and at one rank a
 process takes all of them (every row full, so the mean of the ranks' token means is the batch's). The reference is
-the uninterrupted Fabric run at ZeRO-3 on 2 ranks, which saves a sharded checkpoint after step ``SAVE`` (``fab``). From
-the checkpoints:
+the uninterrupted Fabric run at ZeRO-3 on 2 ranks, which saves a sharded checkpoint after step ``SAVE`` (``fab``) with
+``async_save=True`` (not on disk when ``fabric.save`` returns, published by teardown at the latest). From the
+checkpoints:
 
 * 2 ranks, ZeRO-3, ``fabric.load(fab)``: steps ``SAVE+1..STEPS`` bitwise equal to the uninterrupted run (losses and
   every parameter), and the user's own entries (``step``, a Stateful counter) restored;
@@ -13,6 +14,8 @@ the checkpoints:
 * tp = 2 (another layout) and ZeRO-1: within ``TOL``;
 * the Trainer with ``V17Strategy`` resumes ``fab`` (``ckpt_path=``) and continues within ``TOL``; a checkpoint the
   Trainer wrote after ``SAVE`` steps loads under Fabric, which continues within ``TOL`` and gets ``global_step`` back.
+
+A script whose last act is an asynchronous ``fabric.save`` exits: its checkpoint is complete (the atexit hook).
 
 ``empty_init``: the parameters of a 16 x Linear(1024, 1024) model (64 MiB) are built on the meta device and
 materialized by ``fabric.setup`` at ZeRO-3: the growth of each rank's peak RSS over ``init_module`` + ``setup``
@@ -132,7 +135,11 @@ def _fabric_run(rank: int, world: int, strategy, *, steps: range, load: str | No
         if save is not None and step + 1 == SAVE:
             out["saved"] = _full_state(model, optimizer, fabric.strategy.zero)
             fabric.save(save, {"model": model, "optimizer": optimizer, "step": step + 1, "counter": counter})
+            out["published_at_return"] = Path(save).exists()  # async: staged, not yet written
     out["final"] = _full_state(model, optimizer, fabric.strategy.zero)["params"]
+    if save is not None:
+        fabric.strategy.teardown()  # publishes a save still in flight (at process exit, an atexit hook does)
+        out["published_at_teardown"] = Path(save, "meta.json").exists()
     return out
 
 
@@ -206,7 +213,8 @@ def _two(rank: int, world: int, tmp: str) -> dict:
     from lightning_v17 import V17FabricStrategy
 
     fab, tr = f"{tmp}/fab", f"{tmp}/trainer"
-    out = {"ref": _fabric_run(rank, world, V17FabricStrategy(zero_stage=3), steps=range(STEPS), save=fab)}
+    ref = V17FabricStrategy(zero_stage=3, async_save=True)
+    out = {"ref": _fabric_run(rank, world, ref, steps=range(STEPS), save=fab)}
     out["resume"] = _fabric_run(rank, world, V17FabricStrategy(zero_stage=3), steps=range(SAVE, STEPS), load=fab)
     out["tp2"] = _fabric_run(rank, world, V17FabricStrategy(zero_stage=3, tp=2), steps=range(SAVE, STEPS), load=fab,
                              dp=1)  # fmt: skip
@@ -251,6 +259,8 @@ def _close(got: dict, ref: dict, tol: float) -> None:
 
 def test_fabric_resume_at_the_same_world_size_is_bitwise(runs) -> None:
     for rank in (0, 1):
+        ref = runs["two"][rank]["ref"]
+        assert not ref["published_at_return"] and ref["published_at_teardown"], "async_save: staged, then published"
         got, ref = runs["two"][rank]["resume"], runs["two"][rank]["ref"]
         _close(got, ref, 0)
         assert got["step"] == SAVE and got["counter"] == SAVE, (got["step"], got["counter"])
@@ -274,6 +284,43 @@ def test_fabric_checkpoint_reshards_and_crosses_to_the_trainer(runs, run) -> Non
         _close(runs["two"][rank][run], runs["two"][rank]["ref"], TOL)
     if run == "fabric_from_trainer":
         assert "global_step" in runs["two"][0][run]["remainder"]
+
+
+_SCRIPT = """
+import os, sys
+import lightning as L
+import torch
+from lightning_v17 import V17FabricStrategy
+
+if __name__ == "__main__":
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=V17FabricStrategy(zero_stage=3, async_save=True))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    fabric.backward(model(torch.ones(4, 256)).square().mean())
+    optimizer.step()
+    fabric.save(sys.argv[1], {"model": model, "optimizer": optimizer, "step": 1})
+    assert not os.path.exists(sys.argv[1]), "an asynchronous save is published after fabric.save returns"
+"""
+
+
+def test_fabric_async_save_is_published_when_the_script_exits(tmp_path) -> None:
+    """A script whose last act is an asynchronous fabric.save (litgpt's final save) exits: the checkpoint is complete."""
+    import subprocess
+    import sys
+
+    from lightning_v17.checkpoint.sharded import verify_checkpoint
+
+    script, ckpt = tmp_path / "train.py", tmp_path / "final"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                              "MASTER_PORT", "NODE_RANK")}  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), str(ckpt)], check=False, env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = verify_checkpoint(ckpt, no_dist=True)  # meta.json, every file's size and sha256
+    assert meta["writer"] == "fabric" and meta["world_size"] == 2 and set(meta["components"]) == {"model", "optim"}
 
 
 def test_fabric_empty_init_never_holds_the_whole_model(runs) -> None:
