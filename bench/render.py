@@ -248,6 +248,33 @@ def _deepspeed_ckpt(report: Report) -> tuple[list[str], list[tuple[str, Bars, Ba
     return lines, [("time, DeepSpeed's / ours", bars, [])]
 
 
+def _planner(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    """``bench/planner.py``: the planner's top candidates for the main job, predicted against measured."""
+    assumed, rows = report.get("planner_assumes", {}), report.get("candidates", {})
+    lines = [(f"`{report.get('job')}`: the {assumed.get('model')} model ({_num(assumed.get('params'))} parameters), "
+              f"{assumed.get('precision')}, seq {assumed.get('seq')}, on {assumed.get('ranks')} gloo ranks of a "
+              f"{assumed.get('cores')}-core host. The planner's `--gpu {assumed.get('gpu')}` row assumes "
+              f"{_num(assumed.get('peak_flops_per_rank', 0) / 1e9)} GFLOP/s per rank at MFU {assumed.get('mfu')} "
+              f"and {_num(assumed.get('intra_node_bytes_per_s', 0) / 1e9)} GB/s between ranks. Median of "
+              f"{report.get('rounds')} rounds of {report.get('steps')} timed steps each."), ""]  # fmt: skip
+    table = []
+    for name, r in rows.items():
+        m = r.get("measured", {})
+        growth = max(m.get("rss_growth_mb") or [0])
+        table.append([f"`{name}`", f"{r.get('global_batch')} = b {r.get('micro_batch')} x m {r.get('microbatches')}",
+                      r.get("predicted_step_s"), m.get("step_s"), r.get("measured_over_predicted_step"),
+                      r.get("predicted_per_sample_s", 0) * 1e3, (r.get("measured_per_sample_s") or math.nan) * 1e3,
+                      r.get("predicted_device_mb_per_rank"), growth])  # fmt: skip
+    lines += _table(["layout (predicted order)", "global batch", "predicted s/step", "measured s/step",
+                     "measured / predicted", "predicted ms/sample", "measured ms/sample",
+                     "predicted MB/rank", "measured RSS growth MB/rank (max)"], table)  # fmt: skip
+    order = ", ".join(f"`{n}`" for n in report.get("measured_order", []))
+    lines += ["", (f"Predicted ranking equals the measured one: **{_num(report.get('ranking_agrees'))}** "
+                   f"(measured order: {order}).")]  # fmt: skip
+    lines += ["", *(f"- {note}" for note in report.get("notes", []))]
+    return lines, []
+
+
 def _generic(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
     lines = _table(["ratio", "value"], [[f"`{k}`", v] for k, v in ratios.items()]) if ratios else []
@@ -266,6 +293,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Report], tuple[list[str], list[tuple[s
     "cp": ("Context parallelism: Ulysses and all-gathered K/V against dp on half the sequence", _cp),
     "deepspeed_ckpt": ("DeepSpeed checkpoint import: online load against the universal-checkpoint route",
                        _deepspeed_ckpt),
+    "planner": ("The planner's top candidates for the main job: predicted against measured", _planner),
 }
 
 

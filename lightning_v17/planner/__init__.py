@@ -13,6 +13,8 @@ One concern per module, every formula a function with its units in its name and 
 - ``moe``: mixture-of-experts arithmetic: expert parallelism, the experts' bytes, token dispatch traffic.
 - ``recipes``: the design outline's decision tree and anti-pattern warnings.
 - ``search``: every layout the rules accept, kept when it fits every tier, ranked by predicted time.
+- ``capacity``: what a node's ranks share (host memory, NVMe, on ``cpu`` its cores).
+- ``job``: a ``v17 fit`` YAML (``v17 plan --config``) read into the input dataclasses, without instantiating it.
 - ``specs``: the input dataclasses; ``plan``: :func:`make_plan`; ``report``: text and JSON; ``cli``: ``v17 plan``.
 
 Nothing here imports torch (a test checks it), so ``v17 plan`` starts instantly on any machine.
