@@ -1,84 +1,16 @@
 """Optimizer offload (ZeRO-Offload, Ren 2021 §4; ZeRO-Infinity, Rajbhandari 2021 §5): the optimizer state lives on
 the cpu or nvme tier and the step runs chunk by chunk, around the user's own optimizer.
 
-``attach_offload`` (:mod:`lightning_v17.engine.offload.handles`) wraps any ``torch.optim.Optimizer`` *in place* (the object, its class, param groups and LR
-schedulers stay; only the instance's ``step`` is replaced, as the ZeRO engine replaces ``zero_grad``), after the
-ZeRO backend has partitioned it. So it composes with every ZeRO stage without knowing it: at stages 1-2 the
-optimizer's parameters are this rank's row shards (or owned whole parameters) of
-:class:`~lightning_v17.engine.zero.stages_0_2.ZeroEngine`; at stage 3 they are FSDP2's DTensor shards, which the library
-optimizers step on their local tensors (:mod:`lightning_v17.optim.local_step`).
+``attach_offload`` (:mod:`lightning_v17.engine.offload.handles`) wraps any ``torch.optim.Optimizer`` in place (only
+the instance's ``step`` is replaced) after the ZeRO backend has partitioned it, so it composes with every ZeRO stage
+without knowing it. For chunks of the optimizer's parameters (up to ``chunk_mb`` of this rank's fp32 elements each):
+wait for the chunk's state read, install it in ``optimizer.state``, read ahead chunk k + ``buffer_count`` - 1, run the
+optimizer's own ``step`` narrowed to the chunk, write the state back asynchronously. An nvme rank holds the state of
+``buffer_count`` chunks at most. With ``params="nvme"`` (:mod:`lightning_v17.engine.offload.params`) the step streams
+the parameter shards the same way.
 
-The step, for chunks of the optimizer's parameters (in param-group order, up to ``chunk_mb`` of this rank's fp32
-parameter elements each, a larger parameter alone):
-
-1. while the closure runs forward and backward (with parameters on nvme: backward), the state of the first
-   ``buffer_count - 1`` nvme chunks is read ahead asynchronously;
-2. for chunk k: wait for its read, install its state in ``optimizer.state``, issue the read of chunk
-   k + buffer_count - 1 (into the buffer of the oldest write-back once that is written: the I/O thread waits for
-   it, not the step), run the optimizer's own ``step`` with its param groups narrowed to chunk k;
-3. pop chunk k's state and write it back asynchronously.
-
-So an nvme rank holds the state of ``buffer_count`` chunks at most (stepping, read ahead, being written back), not
-of the model. Every optimizer of :mod:`lightning_v17.optim` (AdamW, CPU-Adam, Adafactor, Lion, Adam8bit, Lion8bit)
-gives the same result stepped chunk by chunk as all at once, bit for bit; Adafactor's cross-shard reductions at
-ZeRO-3 still run per parameter in parameter order, so every rank issues the same collectives in the same order
-whatever its chunks.
-
-Tiers:
-
-* ``"cpu"``: the state stays in host memory (ZeRO-Offload's host step; parameters not on the CPU are refused: the
-  device-host streams are not implemented yet). On a CPU-only machine host and device are one memory: the cpu tier
-  is the chunked step itself, exact, with nothing to move and nothing pinned.
-* ``"nvme"``: each chunk's state tensors are written to one file per chunk in this rank's folder of the NVMe tier
-  (:mod:`lightning_v17.engine.offload.nvme`) and read back into one buffer per chunk, of which the state tensors are views.
-  Scalars (step counters), tensors shared between parameters of a chunk (bitsandbytes' quantization maps) and empty
-  tensors stay in memory (a map alone in its chunk is written with it: 1 KiB); tensor-subclass states (torchao's
-  ``AdamW8bit``) cannot be written as bytes and are refused.
-* ``ratio`` (``offload_optimizer_ratio``; DeepSpeed's ``offload_optimizer.ratio``; DeepSpeed#5508 asks for a split
-  between tiers): the fraction of the optimizer state, in bytes at chunk granularity, on the named tier; the rest
-  stays one tier up (nvme -> host memory, cpu -> device memory, which is host memory on a CPU-only machine). The
-  first chunks go to the tier, so they are the ones read ahead during backward.
-
-Buffers (DeepSpeed's swap buffers): the nvme chunks' state lives in at most ``buffer_count`` buffers of the largest
-chunk's size (the bound ``OffloadPolicy.buffer_count`` states), allocated through the I/O backend (page-locked by
-DeepSpeed's op, which reads and writes them directly; mappings for the thread pool) and recycled from chunk to
-chunk: a chunk's read refills the buffer of a finished write-back, or waits on the reader thread for the oldest one
-in flight. Idle buffers are given back before forward, so that forward and backward, where a process's memory peaks,
-hold only the reads ahead and the last write-backs. A read waits for a write-back rather than take a buffer of its
-own: that would be ``2 * buffer_count - 1`` buffers (a 100M-parameter MLP at ZeRO-3 on 2 ranks: 16 MiB more peak
-RSS per rank, an 8 MiB weight shard's Adam moments); ``bench/offload.py`` measures what the wait costs in speed.
-
-Memory really drops on the nvme tier only if the state leaves the process, and glibc's heap is where it could stay
-(``OffloadPolicy.host_memory``). A threshold the user fixed in the environment (``MALLOC_MMAP_THRESHOLD_``,
-``GLIBC_TUNABLES``) is never raised (``host_buffers.user_mmap_threshold``): set back to 32 MiB after the first step,
-it would keep 90 MiB of freed activations in a 100M-parameter MLP's heap, a quarter of the offloaded Adam moments.
-
-* ``"recycle"`` (the default): the tier's own allocations (the first step, where the optimizer's state is packed
-  into the tier's buffers, and checkpoint loads) run inside :func:`own_mappings`; otherwise glibc's threshold is
-  the user's, else 32 MiB, its dynamic maximum, so forward and the step recycle their allocations in the heap. At
-  ZeRO-3 the sharded gradients (``zero_grad`` frees them) are their own mappings
-  (``collectives.map_gradient_buffers``), and backward (``ZeroBackend.backward_context``) and FSDP2's all-gathers
-  (``collectives.map_all_gathers``) run inside :func:`own_mappings`: their large buffers fill free heap chunks or get
-  mappings but never grow the heap. 103M GPT: a peak RSS drop of 1.36-1.50 of the planned bytes against no offload
-  (0.57-0.72 with none of these mapped).
-* ``"return"``: glibc's mmap threshold is fixed at 1 MiB for the whole process (``mallopt``): every host allocation
-  of 1 MiB or more is its own mapping, unmapped when freed (103M GPT: a drop of 1.4 of the planned bytes). On a
-  CPU-only machine the activations are then mapped and faulted in anew each step (3.7M GPT: 117,000 faults a step).
-
-``malloc_trim(0)`` after a repack (the first step, a load) returns the small rest (not every step: the activations).
-
-Checkpoints: :func:`materialized` brings every chunk's state back into ``optimizer.state`` (and the original
-``step``) for a state-dict read or load, then writes it back to its tier; resume and reshard go through the ZeRO
-backend as without offload. A save holds the whole state in memory for its duration. At teardown the nvme files are
-removed and the state they held is released: save checkpoints during ``fit``.
-
-With ``offload_params="nvme"`` (:mod:`lightning_v17.engine.offload.params`) the step also streams the parameter
-shards: chunk k's shards are read ``buffer_count - 1`` chunks ahead, stepped, and written back; an optimizer without
-an offloaded state (``tier=Tier.NONE``) is then stepped chunk by chunk for that alone.
-
-There is no separate fp32 master copy to place here: the optimizer steps the fp32 parameters themselves (stages
-0-2 run mixed precision as autocast over fp32 parameters; stage 3's sharded fp32 parameters are FSDP2's master,
-which the next forward all-gathers from).
+The tiers, the ratio split, the buffers, glibc's heap (``OffloadPolicy.host_memory``) and what each costs, measured:
+docs/offload.md ("The optimizer tier in detail").
 """
 
 from __future__ import annotations
