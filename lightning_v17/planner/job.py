@@ -254,11 +254,11 @@ def job_specs(doc: Mapping[str, Any], *, cluster: ClusterSpec | None = None,
         micro_batch, microbatches = rows, accumulate
     accelerator = str(trainer.get("accelerator", "auto")).strip().lower()
     if accelerator != "cpu" and cluster.gpu == "cpu":
-        raise V17ConfigError(f"trainer.accelerator={accelerator!r} with --gpu cpu; name the GPU with --gpu (default "
-                             f"{ClusterSpec().gpu}) or set accelerator: cpu")  # fmt: skip
+        raise V17ConfigError(f"trainer: accelerator {accelerator!r} with --gpu cpu; name the GPU with --gpu "
+                             f"(default {ClusterSpec().gpu}) or set accelerator: cpu")  # fmt: skip
     gpu = "cpu" if accelerator == "cpu" else cluster.gpu
     nvme_path = cluster.nvme_path if cluster.nvme_path != "." or not offload.nvme_path else offload.nvme_path
-    precision = Precision.parse(trainer.get("precision", base.precision or "32-true"), "trainer.precision")
+    precision = Precision.parse(trainer.get("precision", base.precision or "32-true"), "precision")
 
     model = _model(_section(doc, "model", ""))
     cluster = replace(cluster, gpu=gpu, gpus=world, gpus_per_node=per_node, nvme_path=nvme_path)
