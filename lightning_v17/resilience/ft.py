@@ -40,12 +40,13 @@ __all__ = ["FTReplica", "load_local_state", "local_state", "start_lighthouse", "
 
 
 def start_lighthouse(
-    *, min_replicas: int = 1, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 50
+    *, min_replicas: int = 1, join_timeout_ms: int = 60_000, heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 50
 ) -> Any:
     """A torchft lighthouse in this process (``torchft_lighthouse`` runs the same server as its own program).
 
-    ``join_timeout_ms`` bounds how long a quorum waits for a group that was in the previous one; ``heartbeat_timeout_ms``
-    how long a silent group stays a member. Both bound the time from a failure to the survivors' next step.
+    ``heartbeat_timeout_ms``: how long a silent group stays a member; it bounds the time from a failure to the
+    survivors' next step. ``join_timeout_ms``: how long a quorum waits for a live group that has not asked yet; keep
+    it above the longest step, or a group still stepping is left out, steps alone and heals later.
     Returns the server; ``server.address()`` is what ``FTPolicy(lighthouse=...)`` takes, ``server.shutdown()`` ends it.
     """
     from torchft._torchft import LighthouseServer

@@ -192,7 +192,9 @@ def _run(out: Path, *, opt: str, clip: float | None, samples: int, kill: list[in
     cfg = {"out": str(out), "opt": opt, "clip": clip, "samples": samples, "kill": kill, "timeout": 10.0,
            "incarnation": 0, "solo_sleep": solo_sleep}  # fmt: skip
     t0 = time.time()
-    lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1000)
+    # join_timeout above a step under load: a healthy group that is still stepping is waited for, never left out
+    # (a lone group then steps alone, the groups split); a dead group is left out once its heartbeats stop
+    lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=10_000, heartbeat_timeout_ms=1000)
     groups = {r: _launch(cfg, r, lighthouse.address()) for r in (0, 1)}
     launched = {r: [[p.pid for p in ps]] for r, ps in groups.items()}
     deadline = time.monotonic() + timeout
@@ -218,10 +220,20 @@ def _run(out: Path, *, opt: str, clip: float | None, samples: int, kill: list[in
 
 
 def _solo(out: Path) -> bool:
-    """Whether the survivors committed a step alone (the replacement is started after that, so the run has both)."""
-    f = out / "rec_0_0_0.jsonl"
-    lines = f.read_text().splitlines() if f.exists() else []
-    return any('"participants": 1' in line and '"committed": true' in line for line in lines)
+    """Whether the survivors committed a step alone after the kill (the replacement is started after that, so that
+    the run has both a shrunk and a rejoined phase)."""
+    kill, f = out / "kill_time.txt", out / "rec_0_0_0.jsonl"
+    if not kill.exists() or not f.exists():
+        return False
+    after = float(kill.read_text())
+    for line in f.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # the line being written
+            continue
+        if r["participants"] == 1 and r["committed"] and r["quorum_time"] > after:
+            return True
+    return False
 
 
 def _logs(out: Path) -> str:
@@ -229,12 +241,25 @@ def _logs(out: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the checks
+def _lineage(records: list[dict]) -> list[dict]:
+    """The committed records the final state descends from. A group that committed steps alone and then healed from
+    a peer was behind it: its lone steps were discarded with its state (torchft lets a lone group train when its peer
+    misses the quorum's join timeout, e.g. while the peer is still starting)."""
+    keep = []
+    by_rank: dict[tuple, list[dict]] = {}
+    for r in records:  # each rank's file is in its own order
+        by_rank.setdefault((r["replica"], r["incarnation"], r["rank"]), []).append(r)
+    for rows in by_rank.values():
+        last_heal = max((i for i, r in enumerate(rows) if r["healed"]), default=-1)
+        keep += [r for i, r in enumerate(rows) if r["committed"] and not (i < last_heal and r["participants"] == 1)]
+    return keep
+
+
 def _committed_steps(records: list[dict], samples: int) -> list[dict]:
     """Per committed step: its position, participants, the ranks' samples in rank order and the mean loss."""
     by_step: dict[int, list[dict]] = {}
-    for r in records:
-        if r["committed"]:
-            by_step.setdefault(r["step"], []).append(r)
+    for r in _lineage(records):
+        by_step.setdefault(r["step"], []).append(r)
     steps = []
     for s in sorted(by_step):
         rs = sorted(by_step[s], key=lambda r: (r["replica_rank"], r["rank"]))
