@@ -13,8 +13,9 @@ and AdamW with clipping at :data:`CLIP` (below every step's norm, so it clips).
   rank's rows; the norms are ones): the values do not depend on sharding, so a one-process run of the eagerly built
   model is the reference. nvme/nvme, cpu/cpu and no offload each match it: every step's loss, the unclipped gradient
   norm and every parameter after the steps within 1e-5.
-* **Modules' own init** (``nn.Linear.reset_parameters``, global RNG, same seed): nvme/nvme matches the same 2-rank
-  meta-init run without offload within 1e-5 (the calls run in the same order whether or not a tier takes the units).
+* **Modules' own init** (``nn.Linear.reset_parameters``, global RNG, seed 0 on every rank): each unit is initialized
+  on its whole tensors and each rank keeps its rows, so nvme/nvme matches the one-process model built eagerly after
+  ``torch.manual_seed(0)``, and the same 2-rank meta-init run without offload, within 1e-5.
 * **Refused before training**: a drive with room for one rank's bytes but not for both ranks' (``shutil.disk_usage``
   reports that much free): for the parameters alone, the host's check refuses before the first unit is written; for
   parameters and AdamW state, before step 0 (the message names the path, the free space and the bytes).
@@ -25,6 +26,7 @@ and AdamW with clipping at :data:`CLIP` (below every step's norm, so it clips).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -136,13 +138,14 @@ def _optimizer(opt: str, params):
 
 
 def _reference(rank: int, world: int) -> dict:
-    """One process, the eagerly built name-seeded model, the whole batch of both ranks per step."""
+    """One process, the eagerly built model (seed 0), the whole batch of both ranks per step."""
     import torch
 
     x, y = _data()
     out = {}
-    for opt in OPTIMIZERS:
-        net = _net("seeded")
+    for init, opt in itertools.product(("seeded", "own"), OPTIMIZERS):
+        torch.manual_seed(0)  # the V17 runs' seed_everything(0)
+        net = _net(init)
         o = _optimizer(opt, net.parameters())
         losses, norms = [], []
         for s in range(STEPS):
@@ -154,7 +157,7 @@ def _reference(rank: int, world: int) -> dict:
             norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
             losses.append(float(loss))
             o.step()
-        out[opt] = {"losses": losses, "norms": norms,
+        out[(init, opt)] = {"losses": losses, "norms": norms,
                     "weights": {n: p.detach().numpy().copy() for n, p in net.named_parameters()}}  # fmt: skip
     return out
 
@@ -299,9 +302,9 @@ def _close(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)
-@pytest.mark.parametrize("name", ["seeded_nvme", "seeded_cpu", "seeded_memory"])
+@pytest.mark.parametrize("name", ["seeded_nvme", "seeded_cpu", "seeded_memory", "own_nvme"])
 def test_meta_init_into_the_tier_trains_like_one_process(runs, name, opt) -> None:
-    ref = runs["ref"][opt]
+    ref = runs["ref"][(CASES[name][0], opt)]
     assert len(set(ref["losses"])) == STEPS  # the weights moved every step
     if opt == "adamw":
         assert min(ref["norms"]) > CLIP  # the clipping changed every update

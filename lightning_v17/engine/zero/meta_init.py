@@ -112,6 +112,47 @@ def _materialize_fsdp_param(fp: Any, device: torch.device) -> None:
     fp._sharded_param_data = padded.view(-1)
 
 
+def _owners(fp: Any) -> list[tuple[nn.Module, str]]:
+    """The (module, name) pairs that register FSDP2 parameter ``fp`` (tied weights: several)."""
+    mi = fp._module_info
+    return [(mi.module, mi.param_name), *zip(mi.shared_modules, mi.shared_param_names)]
+
+
+def _gatherable(fp: Any) -> bool:
+    """Whether ``fp`` is a plain parameter that FSDP2 alone shards (its rows over the shard axis, replicated over
+    HSDP's): its init can run on the whole tensor, of which each rank keeps its rows. A tensor-parallel piece is
+    initialized on its shard."""
+    return not getattr(fp, "is_dtensor", True) and not getattr(fp.mesh_info, "is_spmd_mesh", False)
+
+
+def _gather_unit(fps: list[Any], device: torch.device) -> list[tuple[Any, nn.Parameter, torch.Tensor]]:
+    """Whole tensors for a unit's meta parameters, registered in their modules in place of the sharded parameters (an
+    init method then sees the tensor a single process builds)."""
+    out = []
+    for fp in fps:
+        p = fp.sharded_param
+        whole = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        for m, name in _owners(fp):
+            m._parameters[name] = whole
+        out.append((fp, p, whole))
+    return out
+
+
+def _shard_unit(gathered: list[tuple[Any, nn.Parameter, torch.Tensor]], device: torch.device) -> None:
+    """Each rank keeps its rows of the whole tensors (FSDP2's own chunking) in FSDP2's shard storage; the sharded
+    parameters go back into their modules."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    for fp, p, whole in gathered:
+        _materialize_fsdp_param(fp, device)
+        rows = _chunk_with_empty(whole.detach(), fp.mesh_info.shard_mesh_size, dim=fp.fsdp_placement.dim)
+        local = p._local_tensor
+        if local.numel():
+            local.copy_(rows[fp.mesh_info.shard_mesh_rank])
+        for m, name in _owners(fp):
+            m._parameters[name] = p
+
+
 def _fsdp_groups(module: nn.Module) -> list[Any]:
     """The FSDP2 parameter groups under ``module``, in module order (a root's group before its units')."""
     groups = []
@@ -172,7 +213,9 @@ def materialize_meta_module(
     ``trainer.init_module(empty_init=True)``, the user's own ``torch.device("meta")``) has no values yet. Each
     tensor still on meta gets storage on ``device`` (for a ZeRO-3 parameter only this rank's shard, in FSDP2's own
     shard storage: the full model is never materialized on one rank). The modules that own such a tensor initialize
-    it: the outermost ones defining ``init_weights()`` their subtree (torchtitan's convention), every other one its
+    it (a ZeRO-3 unit whose init calls write only that unit on its whole tensors, each rank keeping its rows, so the
+    values are those of one process with the same random state; a tensor-parallel piece, or a unit an init call
+    shares with others, on its shards): the outermost ones defining ``init_weights()`` their subtree (torchtitan's convention), every other one its
     ``reset_parameters()``, in module order. Tensors that were not on meta (weights loaded in ``configure_model``,
     with ``load_state_dict(assign=True)`` or next to a meta-built part) are never re-initialized: per tensor, not
     per module (``to_empty`` would give a module's loaded tensors new storage too), and an init call that also
@@ -217,18 +260,29 @@ def materialize_meta_module(
                 m._buffers[name] = buffers[id(b)]
     pending = [0] * len(groups)  # init calls still to run per group
     touched = [sorted({group_of[id(t)] for t in ts if id(t) in group_of}) for _, _, ts in calls]
+    whole_ok = [True] * len(groups)  # every call writing the unit writes only it: it is initialized whole
     for gs in touched:
         for i in gs:
             pending[i] += 1
-    allocated: set[int] = set()
+            whole_ok[i] = whole_ok[i] and len(gs) == 1
+    allocated: dict[int, list[Any]] = {}  # group -> its gathered (whole) parameters, if initialized whole
 
     def allocate(i: int) -> None:
-        if i not in allocated:
-            allocated.add(i)
-            for fp in groups[i].fsdp_params:
-                if id(fp.sharded_param) in by_param:
-                    _materialize_fsdp_param(fp, device)
-                    fresh.add(id(fp.sharded_param))
+        if i in allocated:
+            return
+        fps = [fp for fp in groups[i].fsdp_params if id(fp.sharded_param) in by_param]
+        whole = [fp for fp in fps if whole_ok[i] and _gatherable(fp)]
+        for fp in fps:
+            if fp not in whole:
+                _materialize_fsdp_param(fp, device)
+        allocated[i] = _gather_unit(whole, device)
+        fresh.update(id(x) for x in (*(fp.sharded_param for fp in fps), *(w for _, _, w in allocated[i])))
+
+    def finish(i: int) -> None:
+        _shard_unit(allocated[i], device)
+        allocated[i] = []
+        if after_group is not None:
+            after_group(groups[i])
 
     for (m, method, _), gs in zip(calls, touched):
         for i in gs:
@@ -237,10 +291,9 @@ def materialize_meta_module(
             getattr(m, method)()
         for i in gs:
             pending[i] -= 1
-            if pending[i] == 0 and after_group is not None:
-                after_group(groups[i])
+            if pending[i] == 0:
+                finish(i)
     for i in range(len(groups)):  # meta shards no call writes (buffers-only modules own none; kept for safety)
         if i not in allocated and any(id(fp.sharded_param) in by_param for fp in groups[i].fsdp_params):
             allocate(i)
-            if after_group is not None:
-                after_group(groups[i])
+            finish(i)
