@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("layout and training (unset: searched)")
     for flag in ("tp", "pp", "dp", "cp"):
         t.add_argument(f"--{flag}", type=_positive_int, help=f"{flag} size")
+    t.add_argument("--dp-replicate", type=_positive_int,
+                   help="HSDP: replicated groups of the dp ranks; ZeRO shards over dp / dp-replicate (default 1)")
     t.add_argument("--cp-mode", default="auto",
                    help="attention scheme under cp > 1: ulysses (all-to-all, cp must divide the heads), allgather "
                         "(K/V all-gathered, any cp) or auto (the one that sends fewer elements; default)")
@@ -255,7 +257,7 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
 
 #: flags that say what ``--config`` already says (the job's model, world, layout and batch)
 _JOB_FLAGS = ("model", "params", "arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "gpus",
-              "gpus_per_node", "tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "precision", "fp8", "micro_batch",
+              "gpus_per_node", "tp", "pp", "dp", "cp", "ep", "dp_replicate", "sp", "zero_stage", "precision", "fp8", "micro_batch",
               "global_batch", "microbatches", "recompute", "schedule", "virtual_stages")  # fmt: skip
 _JOB_TIERS = ("offload_optimizer", "offload_params", "offload_activations")
 
@@ -309,7 +311,7 @@ def _specs_from_flags(args: argparse.Namespace, *, job: bool = False) -> tuple[M
         offload_activations=Tier.parse(args.offload_activations, "--offload-activations"),
         resident_blocks=args.resident_blocks,
         mfu=args.mfu, checkpoint_write_s=args.checkpoint_write_s, op_times=_op_times(args.op_times, args.op_cv),
-        p2p_time=args.p2p_time, ep=args.ep, cp_mode=CPMode.parse(args.cp_mode, "--cp-mode"),
+        p2p_time=args.p2p_time, ep=args.ep, dp_replicate=args.dp_replicate, cp_mode=CPMode.parse(args.cp_mode, "--cp-mode"),
     )  # fmt: skip
     return model, cluster, train  # type: ignore[return-value]  # model is None only for a job
 

@@ -82,6 +82,38 @@ def dp_comm_bytes(
     ]
 
 
+def check_replicas(replicate: int, *, dp: int, zero: ZeroPolicy) -> int:
+    """``replicate`` once checked against the data-parallel size and the ZeRO stage (HSDP needs a sharding stage).
+
+    Raises:
+        V17ConfigError: a ``dp_replicate`` that does not divide ``dp``, or one above 1 at ZeRO-0 (every rank is
+            then a replica already).
+    """
+    if dp % replicate:
+        raise V17ConfigError(f"dp_replicate={replicate} must divide the data-parallel size {dp}")
+    if replicate > 1 and not zero.shards_optimizer:
+        raise V17ConfigError(f"dp_replicate={replicate} needs a ZeRO stage that shards (1-3); at ZeRO-0 every "
+                             "data-parallel rank is a replica already")
+    return replicate
+
+
+def replicate_comm_bytes(params_per_rank: float, *, zero: ZeroPolicy, shard: int, replicate: int,
+                         grad_bytes: float = 2.0, grad_accum_steps: int = 1) -> list[Collective]:
+    """HSDP's second collective, per rank: the gradient shard all-reduced over the ``replicate`` groups.
+
+    Source: PyTorch FSDP (Zhao 2023) §3.2.2, hybrid sharding: the gradients are reduce-scattered within the
+    sharding group (:func:`dp_comm_bytes` over ``shard`` ranks) and the ``Ψ/shard`` shard is then all-reduced
+    across the replication group, ``2 (r - 1)/r`` of it per rank in a ring. Like the reduce-scatter, once per
+    micro-batch when the gradients are sharded (ZeRO-2/3), once per step at ZeRO-1. None at ``replicate`` = 1.
+    """
+    if replicate <= 1:
+        return []
+    reductions = grad_accum_steps if zero.shards_grads else 1
+    size = params_per_rank / shard
+    return [Collective("dp_replicate all-reduce (grad shards)", "dp_replicate",
+                       math.ceil(reductions * 2 * size * ring_fraction(replicate) * grad_bytes))]
+
+
 def tp_comm_bytes_per_layer(
     *, seq: int, micro_batch: int, hidden: int, tp: int, element_bytes: int = 2, recompute: Recompute = Recompute.NONE
 ) -> int:
@@ -263,12 +295,14 @@ def cp_report(shape: Any, lay: Any, requested: CPMode, element: int) -> CPReport
 __all__ = [
     "CPReport",
     "Collective",
+    "check_replicas",
     "choose_cp_mode",
     "cp_comm_bytes_per_layer",
     "cp_forward_elements_per_layer",
     "cp_report",
     "dp_comm_bytes",
     "pp_comm_bytes_per_microbatch",
+    "replicate_comm_bytes",
     "ring_fraction",
     "tp_comm_bytes_per_layer",
     "ulysses_kv_replication",

@@ -150,11 +150,10 @@ def _strategy(plan: Plan, not_emitted: list[str]) -> dict[str, Any]:
     shortcuts, an axis in use with options as its policy (``pp`` with pp > 1, ``tp`` with tp > 1, the size inside)
     and each offload tier the strategy can run here."""
     lay = plan.layout
-    # The planner's ZeRO shards over the whole data-parallel degree (memory_for: shard = dp * cp), i.e. one dp_shard
-    # axis and no replicated (HSDP) axis.
+    # The planner's ZeRO shards over dp_shard x cp (memory_for), and HSDP's replicas are dp_replicate.
     args: dict[str, Any] = {
-        "zero_stage": lay.zero.stage, "activation_checkpointing": lay.recompute.value, "dp_replicate": 1,
-        "dp_shard": lay.dp, "tp": lay.tp, "pp": lay.pp,
+        "zero_stage": lay.zero.stage, "activation_checkpointing": lay.recompute.value,
+        "dp_replicate": lay.dims.dp_replicate, "dp_shard": lay.dims.dp_shard, "tp": lay.tp, "pp": lay.pp,
     }  # fmt: skip
     if lay.cp > 1:  # CPPolicy's defaults: the scheme chosen from the heads (the plan's, by the same rule), head-tail
         asked = plan.cp.requested if plan.cp is not None else CPMode.AUTO

@@ -237,9 +237,6 @@ def job_specs(doc: Mapping[str, Any], *, cluster: ClusterSpec | None = None,
     if shard != "auto" and replicate * shard != dp:
         raise V17ConfigError(f"trainer.strategy.init_args: dp_replicate x dp_shard = {replicate} x {shard} != "
                              f"{dp}, the devices left by tp x pp x cp ({world} / {tp * pp * cp})")  # fmt: skip
-    if replicate > 1 and zero.shards_optimizer:
-        raise V17ConfigError(f"dp_replicate={replicate} (HSDP) at ZeRO-{zero.stage} is not planned: the planner "
-                             "shards ZeRO over every data-parallel rank; plan it with dp_replicate: 1")
 
     data = _section(doc, "data", "")
     seq = data.get("seq_len", DATA_DEFAULTS["seq_len"])
@@ -263,7 +260,7 @@ def job_specs(doc: Mapping[str, Any], *, cluster: ClusterSpec | None = None,
     model = _model(_section(doc, "model", ""))
     cluster = replace(cluster, gpu=gpu, gpus=world, gpus_per_node=per_node, nvme_path=nvme_path)
     train = replace(
-        train, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, sp=bool(tp_policy.sequence_parallel) if tp_policy else False,
+        train, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, dp_replicate=replicate, sp=bool(tp_policy.sequence_parallel) if tp_policy else False,
         zero=zero, precision=precision, micro_batch=micro_batch, seq=seq, global_batch=None, microbatches=microbatches,
         recompute=recompute, schedule=pipeline.schedule, virtual_stages=pipeline.virtual_stages,
         offload_optimizer=offload.optimizer, offload_params=offload.params, offload_activations=offload.activations,

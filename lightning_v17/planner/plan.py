@@ -211,7 +211,7 @@ def memory_for(model: ModelSpec, layout: Layout) -> Memory:
     parts = mem.optimizer_state_components(lay.optimizer, lay.precision)
     k = sum(b for _, b in parts)
     # ZeRO shards over every data-parallel rank of a model replica, cp included (torchtitan's dp_shard_cp).
-    shard = lay.dp * lay.cp
+    shard = lay.dims.dp_shard * lay.cp
     expert_params = shape.expert_params if shape is not None else 0
     dense = mem.model_state_bytes_per_rank(
         model.num_params - expert_params, zero=lay.zero, dp=shard, tp=lay.tp, pp=lay.pp,
@@ -334,8 +334,9 @@ def _layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rec: recip
         # the engine decides on the heads of one tp rank (cp runs on what tp left)
         cp_mode = comm_.choose_cp_mode(train.cp_mode, cp=cp, heads=model.shape.heads // tp,
                                        kv_heads=max(1, model.shape.kv_heads // tp))[0]
-    moe_.check_ep(ep, dp_shard=dp, num_experts=model.shape.num_experts if model.shape is not None else 0)
-    return Layout(dims=MeshSpec(tp=tp, pp=pp, dp_shard=dp, cp=cp, ep=ep), sp=sp, zero=zero, recompute=recompute,
+    r = comm_.check_replicas(train.dp_replicate or 1, dp=dp, zero=zero)
+    moe_.check_ep(ep, dp_shard=dp // r, num_experts=model.shape.num_experts if model.shape is not None else 0)
+    return Layout(dims=MeshSpec(tp=tp, pp=pp, dp_replicate=r, dp_shard=dp // r, cp=cp, ep=ep), sp=sp, zero=zero, recompute=recompute,
                   schedule=schedule, virtual_stages=v, micro_batch=train.micro_batch, microbatches=m, global_batch=g,
                   seq=seq,                  optimizer=train.optimizer, precision=train.precision, offload_optimizer=train.offload_optimizer,
                   offload_params=train.offload_params, fp8=train.fp8, cp_mode=cp_mode,
@@ -418,13 +419,15 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     k = mem.optimizer_bytes_per_param(lay.optimizer, lay.precision)
     element = lay.precision.activation_bytes
     psi_mp = num_params / (lay.tp * lay.pp)
-    shard = lay.dp * lay.cp
+    shard = lay.dims.dp_shard * lay.cp
     # At ep > 1 the routed experts leave the dense ZeRO collectives: they get their own over efsdp (the stage's at
     # ZeRO 1-3, an all-reduce at ZeRO-0), and every MoE block dispatches its tokens over ep (moe.py).
     own_experts = shape.expert_params / (lay.tp * lay.pp * lay.ep) if shape is not None and lay.ep > 1 else 0.0
     # Each rank runs m micro-batches per step; with ZeRO-2/3 each one triggers its own reduce-scatter/gathers.
     collectives = list(comm_.dp_comm_bytes(psi_mp - own_experts * lay.ep, zero=lay.zero, dp=shard, grad_bytes=gb,
                                            param_bytes=pb, grad_accum_steps=lay.microbatches))
+    collectives += comm_.replicate_comm_bytes(psi_mp, zero=lay.zero, shard=shard, replicate=lay.dims.dp_replicate,
+                                              grad_bytes=gb, grad_accum_steps=lay.microbatches)
     moe = None
     if shape is not None and shape.num_experts:
         moe = replace(moe_.moe_report(shape, ep=lay.ep, dp=lay.dp, tokens_per_rank=lay.micro_batch * lay.seq // lay.cp,
@@ -459,8 +462,8 @@ def make_plan(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Plan:
     nodes = math.ceil(lay.gpus / gpn)
     for c in collectives:
         # tp and cp groups are consecutive ranks, and an ep group spans ep of them (ep innermost in dp_shard)
-        group = lay.tp * lay.cp * (lay.ep if c.axis == "ep" else 1)
-        intra = nodes == 1 or (c.axis in ("tp", "cp", "ep") and group <= gpn)
+        group = lay.tp * lay.cp * {"ep": lay.ep, "dp": lay.dims.dp_shard}.get(c.axis, 1)  # dp: one shard group
+        intra = nodes == 1 or (c.axis in ("tp", "cp", "ep", "dp") and group <= gpn)
         seconds = c.bytes_per_step / (acc.intra_node_bytes_per_s if intra else acc.inter_node_bytes_per_s)
         comm_time += seconds
         dispatch_s += seconds if c.axis == "ep" else 0.0

@@ -124,7 +124,8 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
                f"{fmt_bytes(acc.memory_bytes)} and {fmt_rate(peak)} ({_dtype(lay.precision)}) per device{shared}")
     ep = f" ep={lay.ep}" if plan.moe is not None else ""
     cp_mode = f" ({lay.cp_mode.value})" if lay.cp_mode is not None else ""
-    out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp} cp={lay.cp}{cp_mode}{ep} sp={'on' if lay.sp else 'off'} "
+    hsdp = f" (replicate {lay.dims.dp_replicate} x shard {lay.dims.dp_shard})" if lay.dims.dp_replicate > 1 else ""
+    out.append(f"layout  : tp={lay.tp} pp={lay.pp} dp={lay.dp}{hsdp} cp={lay.cp}{cp_mode}{ep} sp={'on' if lay.sp else 'off'} "
                f"zero={lay.zero.stage} recompute={lay.recompute.value} | {lay.optimizer.value} {lay.precision.value}"
                f" | offload optimizer={lay.offload_optimizer.value} params={lay.offload_params.value}")
     out.append(f"batch   : micro-batch {lay.micro_batch} x seq {lay.seq}, m={lay.microbatches} micro-batches, "
@@ -252,7 +253,8 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
             "peak_flops": acc.peak_flops_for(lay.precision), "core_share": cap.core_share(plan.cluster, lay.gpus),
         },
         "layout": {
-            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "sp": lay.sp, "zero_stage": lay.zero.stage,
+            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "dp_replicate": lay.dims.dp_replicate, "cp": lay.cp, "sp": lay.sp,
+            "zero_stage": lay.zero.stage,
             "recompute": lay.recompute.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
             "micro_batch": lay.micro_batch, "microbatches": lay.microbatches, "global_batch": lay.global_batch,
             "seq": lay.seq, "optimizer": lay.optimizer.value, "precision": lay.precision.value,

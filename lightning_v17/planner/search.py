@@ -30,7 +30,7 @@ from lightning_v17.planner.plan import ClusterSpec, ModelSpec, Plan, TrainSpec, 
 from lightning_v17.planner.recipes import _divisors as divisors
 
 #: the sizes whose presence on the command line means "plan this layout" rather than "search"
-FIXED_SIZES = ("tp", "pp", "cp", "dp", "ep", "zero", "sp", "schedule", "virtual_stages")
+FIXED_SIZES = ("tp", "pp", "cp", "dp", "ep", "zero", "sp", "schedule", "virtual_stages", "dp_replicate")
 #: the shortest sequence slice cp may leave each rank
 _MIN_CP_SLICE = 512
 
@@ -96,6 +96,7 @@ def describe(plan: Plan) -> str:
     lay = plan.layout
     pp = f"pp={lay.pp}" + (f" ({lay.schedule.value}, v={lay.virtual_stages})" if lay.pp > 1 else "")
     words = [f"tp={lay.tp}", pp, f"cp={lay.cp}", f"dp={lay.dp}"]
+    words += [f"(dp_replicate={lay.dims.dp_replicate} x dp_shard={lay.dims.dp_shard})"] if lay.dims.dp_replicate > 1 else []
     words += [f"ep={lay.ep}"] if lay.ep > 1 else []
     words += [f"zero={lay.zero.stage}", f"recompute={lay.recompute.value}"]
     words += [f"OffloadPolicy(optimizer={lay.offload_optimizer.value!r})"] if lay.offload_optimizer != Tier.NONE else []
@@ -168,6 +169,16 @@ def split_batch(global_batch: int, *, dp: int, micro_batch: int, pp: int) -> tup
         if rows % b == 0 and rows // b >= pp:
             return b, rows // b
     return None
+
+
+def _replicas(dp: int, *, group: int, gpn: int, world: int) -> int:
+    """The HSDP replicas the search tries for ``dp`` data-parallel ranks: those that leave each shard group on one
+    node (dp_shard x cp x tp <= devices per node, the largest such dp_shard), where the data-parallel ranks span
+    nodes and a node holds more than one of them; 1 (no HSDP) otherwise."""
+    if world <= gpn or dp * group <= gpn:
+        return 1
+    shard = max((s for s in divisors(dp) if s * group <= gpn), default=1)
+    return dp // shard if shard > 1 else 1  # one rank per shard group is plain replication: ZeRO-0's layout
 
 
 def _options(values: list[int], world: int, used: int) -> list[int]:
@@ -243,6 +254,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, allow_nv
                 cell = replace(base, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, schedule=schedule, virtual_stages=v,
                                micro_batch=split[0], microbatches=split[1])  # fmt: skip
                 got, n = _cell(model, cluster, cell, train, allow_nvme)
+                hybrid = _replicas(dp, group=tp * cp, gpn=gpn, world=world) if ep == 1 else 1
+                if hybrid > 1:  # HSDP: ZeRO within a node, the replicas across nodes
+                    more, k = _cell(model, cluster, replace(cell, dp_replicate=hybrid), train, allow_nvme)
+                    got, n = got + more, n + k
                 evaluated += n
                 found += got
                 here = min((c.per_sample_s for c in got), default=None)
@@ -267,9 +282,10 @@ def _cell(model: ModelSpec, cluster: ClusterSpec, cell: TrainSpec, train: TrainS
     where none does, the offload tiers at the highest stage the rules allow."""
     found: list[Candidate] = []
     evaluated = 0
-    dims = MeshSpec(pp=cell.pp, dp_shard=cell.dp, cp=cell.cp, tp=cell.tp, ep=cell.ep)
+    r = cell.dp_replicate or 1
+    dims = MeshSpec(pp=cell.pp, dp_replicate=r, dp_shard=cell.dp // r, cp=cell.cp, tp=cell.tp, ep=cell.ep)
     stages = [z for z in range(4) if not recipes.rule_warnings(dims, zero=ZeroPolicy(stage=z), sp=cell.tp > 1,
-                                                               fp8=train.fp8)]  # fmt: skip
+                                                               fp8=train.fp8) and (z > 0 or r == 1)]  # fmt: skip
     if cell.dp * cell.cp > 1 and 0 in stages and 1 in stages:
         stages.remove(0)  # ZeRO-1 moves the same bytes as ZeRO-0's all-reduce and holds less
     user_tiers = train.offload_optimizer != Tier.NONE or train.offload_params != Tier.NONE
@@ -328,6 +344,7 @@ def _changes(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, allow_nvm
 def _row(plan: Plan, step_s: float) -> dict[str, object]:
     lay = plan.layout
     return {"layout": describe(plan), "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp, "ep": lay.ep,
+            "dp_replicate": lay.dims.dp_replicate,
             "zero_stage": lay.zero.stage, "recompute": lay.recompute.value, "schedule": lay.schedule.value,
             "virtual_stages": lay.virtual_stages, "microbatches": lay.microbatches, "global_batch": lay.global_batch,
             "offload_optimizer": lay.offload_optimizer.value, "offload_params": lay.params_tier.value,

@@ -210,6 +210,8 @@ class TrainSpec:
             pipeline bubble simulation (``planner.pipeline.bubble_fraction``); None: the FLOP split
             T_F = T_B = T_W and no jitter. Any unit; only the ratios and ``p2p_time`` relative to them matter.
         p2p_time: one activation/gradient transfer between pipeline ranks, in the unit of ``op_times``.
+        dp_replicate: replicated data-parallel groups (HSDP: ZeRO shards over ``dp / dp_replicate`` ranks and the
+            replicas all-reduce the gradient shards; ``V17Strategy(dp_replicate=...)``); None: 1.
         ep: expert-parallel size of a MoE shape, folded out of ``dp`` (which it must divide, as must the experts);
             None: the decision tree's when it recommends expert parallelism and the layout is data-parallel only,
             else 1.
@@ -242,6 +244,7 @@ class TrainSpec:
     op_times: OpTimes | None = None
     p2p_time: float = 0.0
     ep: int | None = None
+    dp_replicate: int | None = None
     cp_mode: CPMode = CPMode.AUTO
 
     def __post_init__(self) -> None:
@@ -267,7 +270,8 @@ class TrainSpec:
             object.__setattr__(self, name, Tier.parse(getattr(self, name), f"TrainSpec({name}=...)"))
         if isinstance(self.resident_blocks, bool) or not isinstance(self.resident_blocks, int) or self.resident_blocks < 0:
             raise V17ConfigError(f"resident_blocks={self.resident_blocks!r} must be an integer >= 0")
-        for name in ("tp", "pp", "dp", "cp", "seq", "global_batch", "microbatches", "virtual_stages", "ep"):
+        for name in ("tp", "pp", "dp", "cp", "seq", "global_batch", "microbatches", "virtual_stages", "ep",
+                     "dp_replicate"):
             _positive(name, getattr(self, name))
         _positive("micro_batch", self.micro_batch, allow_none=False)
         if not 0 < self.mfu <= 1:

@@ -87,6 +87,22 @@ def test_the_jobs_layout_is_the_one_v17strategy_builds_from_the_same_init_args(t
     assert strategy.zero_stage == train.zero.stage
 
 
+def test_hsdp_is_planned_as_v17strategy_builds_it(tmp_path):
+    from lightning_v17.strategies import V17Strategy
+
+    from lightning_v17.planner.plan import make_plan
+
+    extra = tmp_path / "hsdp.yaml"
+    extra.write_text(yaml.safe_dump({"trainer": {"devices": 4, "strategy": {"init_args": {"zero_stage": 3,
+                                                                                          "dp_replicate": 2}}}}))
+    doc = load_configs([MAIN_JOB[0], extra])
+    plan = make_plan(*job_specs(doc))
+    dims = V17Strategy(**doc["trainer"]["strategy"]["init_args"]).dims.mesh(4)
+    assert (plan.layout.dims.dp_replicate, plan.layout.dims.dp_shard) == (dims.dp_replicate, dims.dp_shard) == (2, 2)
+    # ZeRO-3 shards the 16 B/param of fp32 AdamW over the 2 ranks of a shard group, not over all 4
+    assert plan.memory.model_state == pytest.approx(16 * plan.model.num_params / 2, rel=1e-3)
+
+
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
@@ -96,7 +112,8 @@ def test_the_jobs_layout_is_the_one_v17strategy_builds_from_the_same_init_args(t
         ({"trainer": {"strategy": "deepspeed"}}, "trainer.strategy: 'deepspeed' cannot be planned"),
         ({"trainer": {"devices": "auto"}}, "trainer.devices='auto'"),
         ({"trainer": {"devices": 3, "strategy": {"init_args": {"tp": 2}}}}, "3 devices are not a multiple of tp"),
-        ({"trainer": {"strategy": {"init_args": {"zero_stage": 3, "dp_replicate": 2}}}}, "dp_replicate=2 (HSDP)"),
+        ({"trainer": {"strategy": {"init_args": {"zero_stage": 0, "dp_replicate": 2}}}},
+         "dp_replicate=2 needs a ZeRO stage that shards"),
         ({"trainer": {"strategy": {"init_args": {"tp": {"size": 2, "sequence": True}}}}}, "not fields of TPPolicy"),
     ],
 )

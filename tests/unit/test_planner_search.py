@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import re
 import time
 import warnings
@@ -227,3 +228,27 @@ def test_the_steady_state_extrapolation_equals_the_simulation():
     start = time.process_time()
     bubble_fraction("1f1b", pp=64, microbatches=8192)  # 64 stages x 8192 micro-batches: minutes to simulate
     assert time.process_time() - start < 5
+
+
+def test_hsdp_shards_within_a_node_and_all_reduces_the_shards_across_replicas():
+    # PyTorch FSDP (Zhao 2023) §3.2.2: reduce-scatter over the shard group, then the Ψ/shard gradient shard
+    # all-reduced over the replicas. llama2-7b (Ψ = 6.74B) on 64 H100s at ZeRO-3, dp_replicate 8 x dp_shard 8, bf16:
+    argv = ("--model", "llama2-7b", "--gpus", "64", "--tp", "1", "--pp", "1", "--zero-stage", "3", "--seq", "4096")
+    doc = json.loads(_cli(*argv, "--dp-replicate", "8", "--json"))
+    psi = doc["model"]["params"]
+    sent = {c["name"]: c["bytes_per_step"] for c in doc["comm"]["collectives"]}
+    assert sent["dp all-gather (params, fwd+bwd)"] == math.ceil(2 * psi * 7 / 8 * 2)
+    assert sent["dp reduce-scatter (grads)"] == math.ceil(psi * 7 / 8 * 2)
+    assert sent["dp_replicate all-reduce (grad shards)"] == math.ceil(2 * psi / 8 * 7 / 8 * 2)
+    # the shard group is one node's 8 devices (NVLink, 450 GB/s); the replicas talk over the network (50 GB/s)
+    seconds = (sent["dp all-gather (params, fwd+bwd)"] + sent["dp reduce-scatter (grads)"]) / 450e9
+    seconds += sent["dp_replicate all-reduce (grad shards)"] / 50e9
+    assert doc["comm"]["time_s_if_not_overlapped"] == pytest.approx(seconds, rel=1e-9)
+    flat = json.loads(_cli(*argv, "--json"))
+    assert doc["per_rank"]["model_state_bytes"] == pytest.approx(8 * flat["per_rank"]["model_state_bytes"], rel=1e-6)
+    assert doc["layout"]["dp_replicate"] == 8 and flat["layout"]["dp_replicate"] == 1
+    # the search offers HSDP where the data-parallel ranks span nodes, and its strategy section builds
+    model, cluster, train = _specs("--model", "llama3-8b", "--gpus", "64")
+    hybrid = [c.plan for c in search(model, cluster, train).candidates if c.plan.layout.dims.dp_replicate > 1]
+    assert hybrid and all(p.layout.dims.dp_shard * p.layout.cp * p.layout.tp <= 8 for p in hybrid)
+    assert _strategy(hybrid[0]).resolve_mesh(64).dp_replicate == hybrid[0].layout.dims.dp_replicate
