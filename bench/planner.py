@@ -24,7 +24,7 @@ micro-batch loss as Lightning hands it to callbacks (divided by ``accumulate_gra
 
 Usage::
 
-    .venv/bin/python bench/planner.py --json-out bench/results/planner.json    # ~5-8 minutes on 2 cores
+    .venv/bin/python bench/planner.py --steps 2 --warmup 1 --json-out bench/results/planner.json   # ~10 min, 2 cores
     .venv/bin/python bench/planner.py --steps 3 --warmup 1 --rounds 1          # a quick look
 """
 
