@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
@@ -39,6 +40,19 @@ from lightning_v17.config.fault import FTPolicy
 __all__ = ["FTReplica", "load_local_state", "local_state", "start_lighthouse", "step_samples"]
 
 
+def _torchft(module: str = "torchft") -> Any:
+    """``import module`` from torchft, or an error that names the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name != "torchft":
+            raise
+        raise ModuleNotFoundError(
+            "V17Strategy(fault_tolerance=FTPolicy(...)) needs torchft, which is not installed; install it with "
+            "pip install 'lightning-v17[ft]'", name="torchft",
+        ) from err  # fmt: skip
+
+
 def start_lighthouse(
     *, min_replicas: int = 1, join_timeout_ms: int = 60_000, heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 50
 ) -> Any:
@@ -49,9 +63,7 @@ def start_lighthouse(
     it above the longest step, or a group still stepping is left out, steps alone and heals later.
     Returns the server; ``server.address()`` is what ``FTPolicy(lighthouse=...)`` takes, ``server.shutdown()`` ends it.
     """
-    from torchft._torchft import LighthouseServer
-
-    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+    return _torchft("torchft._torchft").LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                             quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)  # fmt: skip
 
 
@@ -158,8 +170,8 @@ class FTReplica:
         state_dict: Callable[[], dict],
         load_state_dict: Callable[[dict], None],
     ) -> None:
-        from torchft import Manager, ProcessGroupGloo
-
+        torchft = _torchft()
+        Manager, ProcessGroupGloo = torchft.Manager, torchft.ProcessGroupGloo
         self._healed = False
 
         def load(state: dict) -> None:
