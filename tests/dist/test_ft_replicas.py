@@ -2,7 +2,7 @@
 replacement rejoins from the live peer.
 
 Two replica groups of 2 gloo ranks each (``dp_replicate=2, dp_shard=2``, ZeRO-3), each its own job (its own
-``MASTER_PORT``), launched here as plain processes, with a torchft lighthouse in the test process. Rank 1 of group 1
+``MASTER_PORT``), forked here from the tests' forkserver, with a torchft lighthouse in the test process. Rank 1 of group 1
 SIGKILLs itself after the forward of a step (mid-step); its group's other rank fails in its next collective and
 exits, as a launcher would end the group. Asserted:
 
@@ -10,7 +10,8 @@ exits, as a launcher would end the group. Asserted:
 * every sample of the epoch is trained exactly once: each committed step trains the samples from the committed
   position on, the failed step's included, and the global batch shrinks to the survivors' share;
 * every committed step's loss (the mean of the participating ranks' shares) equals a one-process replay of the same
-  schedule (the same samples per step, the shrunk batches included) within 1e-5, and so do the final parameters;
+  schedule (the same samples per step, the shrunk batches included) within 1e-5, and so do every step's pre-clip
+  gradient norm (relative) and the final parameters;
 * rejoin (``fault``): a replacement started under the failed group's ``replica_id`` joins, receives parameters and
   optimizer state from the live peer through torchft's checkpoint transport (no checkpoint file is read: ``torch.load``
   and DCP's load on a path are refused in it), holds bitwise the peer's state after the join, and trains at the full
@@ -34,7 +35,7 @@ from tests._dist import _context, free_port, spawn
 
 SEQ, ROWS, D = 16, 2, 2  # tokens per row, rows per rank and step, ranks per replica group
 TOL = 1e-5
-CLIP = 0.05  # clips on this model and data (the pre-clip norm is about 1-3)
+CLIP = 0.05  # clips on this model and data (the pre-clip norms are 7-18)
 ADAMW = {"lr": 1e-3, "eps": 1e-5, "weight_decay": 0.1}
 
 
@@ -123,6 +124,9 @@ def _fit_replica(cfg: dict, replica: int, rank: int, out: Path, tag: str) -> Non
                 torch.save({"step": h["step"], "state": st}, out / f"state_{replica}_{rank}.pt")
                 state["dumped"] = True
 
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # the pre-clip gradient norm
+            state["norm"] = _grad_norm(pl_module)
+
         def on_before_backward(self, trainer, pl_module, loss) -> None:
             ft = trainer.strategy.ft
             kill = cfg.get("kill")
@@ -136,7 +140,12 @@ def _fit_replica(cfg: dict, replica: int, rank: int, out: Path, tag: str) -> Non
             ft = trainer.strategy.ft
             h = dict(ft.history[-1])
             h.update(
-                loss=float(outputs["loss"]), pid=os.getpid(), replica=replica, rank=rank, incarnation=cfg["incarnation"]
+                loss=float(outputs["loss"]),
+                norm=state.pop("norm", None),
+                pid=os.getpid(),
+                replica=replica,
+                rank=rank,
+                incarnation=cfg["incarnation"],
             )
             records.write(json.dumps(h) + "\n")
             records.flush()
@@ -267,8 +276,18 @@ def _committed_steps(records: list[dict], samples: int) -> list[dict]:
         assert len({r["position"] for r in rs}) == 1, rs
         steps.append({"step": s, "position": rs[0]["position"] * D * ROWS, "participants": rs[0]["participants"],
                       "samples": [i for r in rs for i in r["samples"]],
-                      "loss": sum(r["loss"] for r in rs) / len(rs)})  # fmt: skip
+                      "loss": sum(r["loss"] for r in rs) / len(rs), "norms": [r["norm"] for r in rs]})  # fmt: skip
     return steps
+
+
+def _grad_norm(module) -> float:
+    """The whole gradient's norm (a ZeRO-3 shard gathered first: a collective over the rank's group)."""
+    import torch
+
+    from tests._strategy import full
+
+    return float(torch.stack([full(p.grad).double().pow(2).sum() for p in module.parameters()
+                              if p.grad is not None]).sum().sqrt())  # fmt: skip
 
 
 def _replay(_rank: int, _world: int, steps: list[dict], opt: str, clip: float | None, samples: int) -> dict:
@@ -279,8 +298,12 @@ def _replay(_rank: int, _world: int, steps: list[dict], opt: str, clip: float | 
     from tests._strategy import full
 
     losses: list[float] = []
+    norms: list[float] = []
 
     class Rec(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            norms.append(_grad_norm(pl_module))
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             losses.append(float(outputs["loss"]))
 
@@ -290,7 +313,7 @@ def _replay(_rank: int, _world: int, steps: list[dict], opt: str, clip: float | 
                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
                         callbacks=[Rec()])  # fmt: skip
     trainer.fit(module, loader)
-    return {"losses": losses, "params": {k: full(p) for k, p in module.model.named_parameters()}}
+    return {"losses": losses, "norms": norms, "params": {k: full(p) for k, p in module.model.named_parameters()}}
 
 
 def _check(out: Path, run: dict, *, opt: str, clip: float | None, samples: int, rejoin: bool) -> dict:
@@ -318,6 +341,8 @@ def _check(out: Path, run: dict, *, opt: str, clip: float | None, samples: int, 
     ref = spawn(_replay, world_size=1, args=(steps, opt, clip, samples), init_process_group=False, timeout=120)[0]
     loss_diff = max(abs(a - s["loss"]) for a, s in zip(ref["losses"], steps))
     assert len(ref["losses"]) == len(steps) and loss_diff <= TOL, (loss_diff, ref["losses"], steps)
+    norm_diff = max(abs(n - a) / max(1.0, a) for a, s in zip(ref["norms"], steps) for n in s["norms"])
+    assert norm_diff <= TOL, (norm_diff, ref["norms"], [s["norms"] for s in steps])
     finals = sorted(out.glob("final_*.pt"))
     assert finals, _logs(out)
     param_diff = 0.0
@@ -329,6 +354,7 @@ def _check(out: Path, run: dict, *, opt: str, clip: float | None, samples: int, 
         "latency_s": latency,
         "loss_diff": loss_diff,
         "param_diff": param_diff,
+        "norm_rel_diff": norm_diff,
         "steps": len(steps),
         "processes_wall_s": run["wall_s"],
     }
