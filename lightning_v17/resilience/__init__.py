@@ -1,16 +1,22 @@
-"""Resilience: the step watchdog (``watchdog``), a failing peer ending the others (``peer_failure``) and elastic
-restarts under torchrun (``elastic``)."""
+"""Resilience: the step watchdog (``watchdog``), a failing peer ending the others (``peer_failure``), elastic
+restarts under torchrun (``elastic``) and fault-tolerant replica groups on torchft (``ft``)."""
 
 from lightning_v17.resilience.elastic import agree_on_generation, elastic_attempt, init_elastic_process_group
+from lightning_v17.resilience.ft import FTReplica, load_local_state, local_state, start_lighthouse, step_samples
 from lightning_v17.resilience.peer_failure import PeerFailureWatch
 from lightning_v17.resilience.watchdog import HANG_EXIT_CODE, StepWatchdog, current_collective
 
 __all__ = [
     "HANG_EXIT_CODE",
+    "FTReplica",
     "PeerFailureWatch",
     "StepWatchdog",
     "agree_on_generation",
     "current_collective",
     "elastic_attempt",
     "init_elastic_process_group",
+    "load_local_state",
+    "local_state",
+    "start_lighthouse",
+    "step_samples",
 ]
