@@ -13,7 +13,9 @@ drive (``drive_write_bytes_per_s``, ``drive_read_bytes_per_s``). Per rank and st
 tiers read and wrote (``nvme_bytes``), the drive floor of those bytes (``floor_s``: read bytes over the read
 bandwidth plus written bytes over the write bandwidth), the offload time (``io_active_s``: wall seconds during which
 at least one of the rank's tier reads or writes was in flight) and its ratio to the floor, the seconds the step
-waited for the tiers (``io_wait_s``), the step time and the loss. Per rank: the peak RSS (``VmHWM``) at the end of
+waited for the tiers (``io_wait_s``), the step time and the loss. ``per_step`` gives the host's: both ranks' bytes,
+their drive floor (the ranks share the drive) against the longer of the two ranks' offload times (a lower bound of
+the time the drive was in use). Per rank: the peak RSS (``VmHWM``) at the end of
 the last step, before teardown (the workers exit there: the tier's teardown brings every shard back into memory,
 which a model of this size does not have room for; the driver removes the tier's files), and the RSS of both ranks
 against the machine's memory.
@@ -252,12 +254,16 @@ def main(argv: list[str] | None = None) -> dict:
     n = ranks[0]["num_params"]
     losses = [s["loss"] for s in ranks[0]["steps"]]
     rss_sum = sum(r["peak_rss_mb"] for r in ranks) * 2**20
-    per_step = [
-        {k: sum(r["steps"][i][k] for r in ranks) for k in ("nvme_bytes", "nvme_read_bytes", "nvme_write_bytes")}
-        | {"step_s": max(r["steps"][i]["step_s"] for r in ranks),
-           "io_active_over_floor": max(r["steps"][i]["io_active_over_floor"] or 0 for r in ranks)}
-        for i in range(len(losses))
-    ]  # fmt: skip
+    per_step = []
+    for i in range(len(losses)):  # the host's: both ranks share the drive
+        step = {k: sum(r["steps"][i][k] for r in ranks) for k in ("nvme_bytes", "nvme_read_bytes", "nvme_write_bytes")}
+        floor = step["nvme_read_bytes"] / read_bw + step["nvme_write_bytes"] / write_bw
+        active = max(r["steps"][i]["io_active_s"] for r in ranks)  # at least the union of the ranks' I/O time
+        per_step.append(step | {
+            "step_s": max(r["steps"][i]["step_s"] for r in ranks), "drive_floor_s": floor, "io_active_s": active,
+            "io_active_over_drive_floor": active / floor if floor else None,
+            "io_wait_s": max(r["steps"][i]["io_wait_s"] for r in ranks),
+        })  # fmt: skip
     report = {
         "bench": "offload_big",
         "command": "nice -n 10 python bench/offload_big.py " + " ".join(a for a in (argv or sys.argv[1:])),
