@@ -83,6 +83,8 @@ class Candidate:
         """Why this candidate is slower than ``best``: the term that grows most per sample."""
         if self is best:
             return "fastest"
+        if self.plan.warnings and not best.plan.warnings:
+            return f"ranked after every layout without a warning: {self.plan.warnings[0]}"
         g, h = self.plan.layout.global_batch, best.plan.layout.global_batch
         names = ("compute", "bubble", "recompute", "comm", "offload")
         deltas = {n: getattr(self.terms, f"{n}_s") / g - getattr(best.terms, f"{n}_s") / h for n in names}
@@ -268,7 +270,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, allow_nv
             if previous is not None and (best_cp is None or best_cp > previous):
                 break  # a larger cp only adds traffic from here on
             previous = best_cp if best_cp is not None else previous
-    found.sort(key=lambda c: (c.per_sample_s, c.plan.layout.gpus, describe(c.plan)))
+    # a layout the planner itself warns about (an anti-pattern of design §17.5/§10.7) is never the recommendation
+    found.sort(key=lambda c: (bool(c.plan.warnings), c.per_sample_s, c.plan.layout.gpus, describe(c.plan)))
     published = tuple((p, plan) for p in PUBLISHED if p.model == model.name and p.gpus == world and p.seq == seq
                       and (plan := _evaluate(model, cluster, replace(base, global_batch=batch,
                                                                      **_sizes(p.train)))) is not None)
