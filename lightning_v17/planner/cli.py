@@ -155,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nvme-path", default=".",
                    help="directory the nvme tier writes to; its free space is the default --nvme-capacity "
                         "(default: the current directory)")
+    c.add_argument("--restart-s", type=_positive_float, default=12.2, metavar="S",
+                   help="failure to first step of a torchrun-restarted job, before its checkpoint read (default 12.2: "
+                        "bench/fault.py on a 2-core CPU host; measure yours)")
+    c.add_argument("--replica-drop-s", type=_positive_float, default=1.1, metavar="S",
+                   help="failure to the surviving replica groups' next step with FTPolicy (default 1.1: bench/fault.py)")
+    c.add_argument("--inprocess-restart-s", type=_positive_float, metavar="S",
+                   help="failure to next step of an in-process restart, before the snapshot's transfer (default: "
+                        "that path is not reported)")
     c.add_argument("--cpu-cores", type=_positive_int,
                    help="on --gpu cpu: the cores its ranks share (default: this machine's); a rank computes at one "
                         "core's peak times min(1, cores / ranks)")
@@ -295,7 +303,8 @@ def _specs_from_flags(args: argparse.Namespace, *, job: bool = False) -> tuple[M
         pcie_gbps=args.pcie_gbps, nvme_gbps=args.nvme_gbps, storage_gbps=args.storage_gbps,
         node_mtbf_hours=args.node_mtbf_hours, memory_reserve=args.memory_reserve,
         host_memory_gb=args.host_memory, host_reserve=args.host_reserve, nvme_capacity_gb=args.nvme_capacity, nvme_path=args.nvme_path,
-        cpu_cores=args.cpu_cores,
+        cpu_cores=args.cpu_cores, restart_s=args.restart_s, replica_drop_s=args.replica_drop_s,
+        inprocess_restart_s=args.inprocess_restart_s,
     )  # fmt: skip
     train = TrainSpec(
         tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp,

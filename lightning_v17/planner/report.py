@@ -16,8 +16,21 @@ from lightning_v17.planner import memory as mem
 from lightning_v17.planner.capacity import TierCheck, capacity_checks
 from lightning_v17.planner.model_search import MaxModel
 from lightning_v17.planner.plan import Plan
+from lightning_v17.planner.resilience import recovery_goodput
 
 BAR_WIDTH = 32
+
+
+def recovery_line(plan: Plan) -> str:
+    """Expected goodput per recovery path (:func:`~lightning_v17.planner.resilience.recovery_goodput`), one line."""
+    words = []
+    for name, path in recovery_goodput(plan)["paths"].items():
+        label = name.replace("_", " ")
+        if "needs" in path:
+            words.append(f"{label} needs {path['needs'].split(' with ')[0]}")
+        else:
+            words.append(f"{label} {path['goodput']:.2%} ({fmt_seconds(path['recovery_s'])} a failure)")
+    return "goodput " + "; ".join(words)
 
 
 def fmt_bytes(n: float) -> str:
@@ -204,6 +217,7 @@ def render_text(plan: Plan, max_model: MaxModel | None = None, *, max_model_aske
     out.append(f"ckpt    : write ~{fmt_seconds(plan.checkpoint_write_s)}, job MTBF {fmt_seconds(plan.cluster_mtbf_s)} "
                f"-> checkpoint every {fmt_seconds(plan.daly_s)} (Daly 2006; Young 1974: "
                f"{fmt_seconds(plan.young_s)})")
+    out.append(f"recovery: {recovery_line(plan)}")
     if max_model_asked:
         if max_model is None:
             out.append("max model: nothing fits with this layout")
@@ -288,6 +302,7 @@ def to_dict(plan: Plan, max_model: MaxModel | None = None, *, max_model_asked: b
                     "nvme_bytes_per_step": plan.offload_traffic.nvme_bytes, "transfer_s": plan.offload_time_s},
         "checkpoint": {"write_s": plan.checkpoint_write_s, "mtbf_s": plan.cluster_mtbf_s,
                        "young_interval_s": plan.young_s, "daly_interval_s": plan.daly_s},
+        "recovery": recovery_goodput(plan),
         "recommendation": {
             "tp": rec.tp, "pp": rec.pp, "dp": rec.dp, "cp": rec.cp, "zero_stage": rec.zero.stage, "sp": rec.sp,
             "recompute": plan.recommended_recompute.value, "schedule": rec.schedule.value, "reason": rec.reason,

@@ -8,6 +8,7 @@ not small against the MTBF.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 def _check(checkpoint_write_s: float, mtbf_s: float) -> None:
@@ -72,6 +73,7 @@ __all__ = [
     "daly_interval_s",
     "expected_goodput",
     "goodput_by_path",
+    "recovery_goodput",
     "replica_drop_goodput",
     "young_interval_s",
 ]
@@ -199,3 +201,55 @@ def goodput_by_path(
         mtbf_s=mtbf_s, replica_groups=replica_groups, detect_s=drop_s, step_s=step_s, replace_s=replace_s
     )
     return {"job_restart": restart, "in_process_restart": inprocess, "replica_drop": drop}
+
+
+def recovery_goodput(plan: Any) -> dict[str, Any]:
+    """The expected goodput of a :class:`~lightning_v17.planner.plan.Plan`'s job under each recovery path, with the
+    seconds each failure costs, from the cluster's MTBF and recovery times (``ClusterSpec.restart_s``,
+    ``replica_drop_s``, ``inprocess_restart_s``) and the plan's own bytes and step time:
+
+    * job restart: ``restart_s`` plus reading the newest checkpoint (as long as writing it), disk checkpoints at
+      Daly's interval;
+    * in-process restart (with ``inprocess_restart_s``): that plus fetching a rank's state (parameters and optimizer
+      state) from the peer holding its snapshot over the inter-node link; a snapshot blocks the step for its copy to
+      host memory (at ``pcie_gbps``);
+    * replica drop (``dp_replicate`` >= 2): ``replica_drop_s``; a replacement group trains after ``restart_s`` plus
+      the same fetch. With ``dp_replicate`` = 1 it is reported as needing HSDP.
+    """
+    from lightning_v17.planner.hardware import get_accelerator
+
+    cluster, lay = plan.cluster, plan.layout
+    acc = get_accelerator(cluster.gpu)
+    gpn = cluster.gpus_per_node or acc.gpus_per_node
+    nodes = max(1, -(-lay.gpus // gpn))
+    rank_bytes = plan.memory.param + plan.memory.optimizer
+    fetch_s = rank_bytes / acc.inter_node_bytes_per_s
+    mtbf_s = cluster_mtbf_s(cluster.node_mtbf_hours * 3600.0, nodes)
+    write_s = plan.checkpoint_write_s
+    restart_s = cluster.restart_s + write_s
+    paths: dict[str, Any] = {
+        "job_restart": {
+            "goodput": expected_goodput(interval_s=daly_interval_s(write_s, mtbf_s), checkpoint_s=write_s,
+                                        mtbf_s=mtbf_s, restart_s=restart_s),
+            "recovery_s": restart_s,
+        }
+    }  # fmt: skip
+    if cluster.inprocess_restart_s is not None:
+        snapshot_s = rank_bytes / (cluster.pcie_gbps * 1e9)
+        every_s = max(plan.step_time_s, daly_interval_s(snapshot_s, mtbf_s))
+        recovery_s = cluster.inprocess_restart_s + fetch_s
+        paths["in_process_restart"] = {
+            "goodput": expected_goodput(interval_s=every_s, checkpoint_s=snapshot_s, mtbf_s=mtbf_s,
+                                        restart_s=recovery_s),
+            "recovery_s": recovery_s,
+        }  # fmt: skip
+    groups = lay.dims.dp_replicate
+    if groups >= 2:
+        paths["replica_drop"] = {
+            "goodput": replica_drop_goodput(mtbf_s=mtbf_s, replica_groups=groups, detect_s=cluster.replica_drop_s,
+                                            step_s=plan.step_time_s, replace_s=cluster.restart_s + fetch_s),
+            "recovery_s": cluster.replica_drop_s + plan.step_time_s,
+        }  # fmt: skip
+    else:
+        paths["replica_drop"] = {"needs": "dp_replicate >= 2 (HSDP) with V17Strategy(fault_tolerance=FTPolicy(...))"}
+    return {"mtbf_s": mtbf_s, "paths": paths}

@@ -95,6 +95,15 @@ class ClusterSpec:
         cpu_cores: on ``cpu``, the cores of one machine its ranks share; a rank computes at the ``cpu`` row's
             one-core peak times ``min(1, cpu_cores / ranks per node)`` (:func:`~lightning_v17.planner.capacity.
             core_share`). None: the cores this process may run on.
+        restart_s: seconds from a failure to the first step of the job torchrun restarts, before it reads its
+            checkpoint (the planner adds the read): the failure's detection, the new processes' imports and the
+            process group. Default 12.2: ``bench/fault.py``'s torchrun restart on a 2-core CPU host (of which 8.2 s
+            are imports); measure yours (``python bench/fault.py --scenario side-by-side``).
+        replica_drop_s: seconds from a failure to the surviving replica groups' next step
+            (``FTPolicy``, torchft). Default 1.1: ``bench/fault.py``'s replica drop on the same host.
+        inprocess_restart_s: seconds from a failure to the next step when the surviving processes re-form the
+            group and restore from a peer's in-memory snapshot, before the planner adds the snapshot's transfer.
+            None: that path is not reported.
     """
 
     gpu: str = "h100-80gb"
@@ -110,6 +119,9 @@ class ClusterSpec:
     nvme_capacity_gb: float | None = None
     nvme_path: str = "."
     cpu_cores: int | None = None
+    restart_s: float = 12.2
+    replica_drop_s: float = 1.1
+    inprocess_restart_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive("host_memory_gb", self.host_memory_gb, kind=float)
@@ -125,8 +137,9 @@ class ClusterSpec:
         _positive("gpus", self.gpus)
         _positive("gpus_per_node", self.gpus_per_node)
         _positive("cpu_cores", self.cpu_cores)
-        for name in ("pcie_gbps", "nvme_gbps", "storage_gbps", "node_mtbf_hours"):
+        for name in ("pcie_gbps", "nvme_gbps", "storage_gbps", "node_mtbf_hours", "restart_s", "replica_drop_s"):
             _positive(name, getattr(self, name), allow_none=False, kind=float)
+        _positive("inprocess_restart_s", self.inprocess_restart_s, kind=float)
 
     @property
     def accelerator(self) -> Accelerator:
