@@ -44,6 +44,9 @@ class GoodputMonitor(Callback):
     * ``checkpoint_s``: the loop blocked by saves (the cumulative ``checkpoint_blocking_s`` that ``AsyncCheckpoint``
       and ``ThroughputMonitor`` share);
     * ``bad_step_s``: batches whose update ``BadStepGuard`` withheld;
+    * ``dropped_s``: with ``V17Strategy(fault_tolerance=FTPolicy(...))``, a batch the replica quorum did not commit
+      (a peer group failed in it) and the wait until the survivors' next quorum, after which they train its samples
+      again;
     * ``other_s``: the rest (data waits, validation, logging, the first attempt's setup).
 
     Rank 0 writes ``<dirpath>/goodput.json`` after every step (a few hundred bytes, atomically). An attempt continues
@@ -84,6 +87,7 @@ class GoodputMonitor(Callback):
         self._path: Path | None = None
         self._t0 = 0.0
         self._blocking_prev = 0.0
+        self._dropped_end: float | None = None  # when the last uncommitted step ended (replica groups)
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _resolve_path(self, trainer: pl.Trainer) -> Path | None:
@@ -124,6 +128,10 @@ class GoodputMonitor(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         self._take_blocking(trainer)  # a save at the previous batch's end (checkpoint callbacks run after us)
+        ft = getattr(trainer.strategy, "ft", None)
+        if self._dropped_end is not None and ft is not None and ft.history:  # the quorum ran in batch_to_device
+            self.tracker.add_dropped_wait(ft.history[-1]["quorum_time"] - self._dropped_end)
+        self._dropped_end = None
         self.tracker.step_started(time.time())
         self._t0 = time.perf_counter()
 
@@ -132,8 +140,11 @@ class GoodputMonitor(Callback):
     ) -> None:
         duration = time.perf_counter() - self._t0
         withheld = any(getattr(cb, "withheld_this_batch", False) for cb in trainer.callbacks)
+        ft = getattr(trainer.strategy, "ft", None)
+        dropped = ft is not None and not ft.committed
         now = time.time()
-        self.tracker.step_finished(duration, now_s=now, step=trainer.global_step, useful=not withheld)
+        self.tracker.step_finished(duration, now_s=now, step=trainer.global_step, useful=not withheld, dropped=dropped)
+        self._dropped_end = now if dropped else None
         self.last = self.tracker.breakdown(now)
         if trainer.is_global_zero and self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)

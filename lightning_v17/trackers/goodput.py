@@ -9,6 +9,8 @@ on 16k GPUs, about one every 3 hours, with more than 90% effective training time
   first execution is the loss; the re-execution is counted as useful);
 * ``checkpoint_s``: seconds the loop was blocked by saves;
 * ``bad_step_s``: steps whose update was withheld (``BadStepGuard``);
+* ``dropped_s``: with replica groups (``FTPolicy``), a step the quorum did not commit because a peer group failed in
+  it, and the wait from its end to the survivors' next quorum (they train its samples again);
 * ``other_s``: the rest of the wall time (data waits between steps, validation, logging, the first attempt's setup).
 
 ``goodput = useful_s / wall_s``. :class:`GoodputTracker` takes explicit clock readings, so a synthetic timeline tests
@@ -39,6 +41,7 @@ class GoodputBreakdown:
     redo_s: float
     checkpoint_s: float
     bad_step_s: float
+    dropped_s: float
     other_s: float
     goodput: float
     attempts: int
@@ -62,7 +65,7 @@ class GoodputBreakdown:
         n = self.failures
         return {
             "interval_s": self.useful_s / saves,
-            "overhead_s": (self.other_s + self.bad_step_s) / saves,
+            "overhead_s": (self.other_s + self.bad_step_s + self.dropped_s) / saves,
             "checkpoint_s": self.checkpoint_s / saves,
             "restart_s": self.restart_s / n if n else 0.0,
             "mtbf_s": self.wall_s / n if n else float("inf"),
@@ -77,13 +80,13 @@ class GoodputBreakdown:
             return f"  {name:<13}{s:10.2f} s  {100 * share:6.1f}%"
 
         lines = [f"goodput {100 * self.goodput:.1f}% over {self.attempts} attempt(s), step {self.step}"]
-        for name in ("wall", "useful", "restart", "redo", "checkpoint", "bad_step", "other"):
+        for name in ("wall", "useful", "restart", "redo", "checkpoint", "bad_step", "dropped", "other"):
             lines.append(row(name, getattr(self, f"{name}_s")))
         return "\n".join(lines)
 
 
 class GoodputTracker:
-    """Accumulates useful, restart, redo, checkpoint and bad-step seconds over the attempts of one run.
+    """Accumulates useful, restart, redo, checkpoint, bad-step and dropped seconds over the attempts of one run.
 
     Call order per attempt: :meth:`start_attempt` (with the previous attempt's ``progress()`` and the ``state_dict()``
     stored in the checkpoint it resumed from, when there are), then for every step :meth:`step_started` and
@@ -93,7 +96,7 @@ class GoodputTracker:
 
     def __init__(self) -> None:
         self.run_start_s: float | None = None
-        self.useful_s = self.restart_s = self.redo_s = self.checkpoint_s = self.bad_step_s = 0.0
+        self.useful_s = self.restart_s = self.redo_s = self.checkpoint_s = self.bad_step_s = self.dropped_s = 0.0
         self.attempts = 0
         self.saves = 0  # checkpoint saves that blocked the loop, over all attempts (Young/Daly's interval)
         self.step = 0
@@ -115,7 +118,7 @@ class GoodputTracker:
             self.attempts = 1
             return
         self.run_start_s = float(previous["run_start_s"])
-        for key in ("useful_s", "restart_s", "redo_s", "checkpoint_s", "bad_step_s"):
+        for key in ("useful_s", "restart_s", "redo_s", "checkpoint_s", "bad_step_s", "dropped_s"):
             setattr(self, key, float(previous.get(key, 0.0)))
         self.attempts = int(previous.get("attempts", 1)) + 1
         self.saves = int(previous.get("saves", 0))
@@ -136,14 +139,23 @@ class GoodputTracker:
         self.redo_s += lost
         self.useful_s -= lost
 
-    def step_finished(self, duration_s: float, *, now_s: float, step: int, useful: bool = True) -> None:
-        """A finished step of ``duration_s`` seconds (``useful=False``: its update was withheld)."""
-        if useful:
+    def step_finished(
+        self, duration_s: float, *, now_s: float, step: int, useful: bool = True, dropped: bool = False
+    ) -> None:
+        """A finished step of ``duration_s`` seconds (``useful=False``: its update was withheld; ``dropped``: the
+        replica quorum did not commit it)."""
+        if dropped:
+            self.dropped_s += duration_s
+        elif useful:
             self.useful_s += duration_s
         else:
             self.bad_step_s += duration_s
         self.step = int(step)
         self.last_progress_s = now_s
+
+    def add_dropped_wait(self, seconds: float) -> None:
+        """The wait from a dropped step's end to the survivors' next quorum (the failure's detection)."""
+        self.dropped_s += max(0.0, seconds)
 
     def add_checkpoint_blocking(self, seconds: float) -> None:
         """One save that blocked the loop for ``seconds``."""
@@ -152,7 +164,7 @@ class GoodputTracker:
 
     def breakdown(self, now_s: float) -> GoodputBreakdown:
         wall = max(0.0, now_s - self.run_start_s) if self.run_start_s is not None else 0.0
-        known = self.useful_s + self.restart_s + self.redo_s + self.checkpoint_s + self.bad_step_s
+        known = self.useful_s + self.restart_s + self.redo_s + self.checkpoint_s + self.bad_step_s + self.dropped_s
         return GoodputBreakdown(
             wall_s=wall,
             useful_s=self.useful_s,
@@ -160,6 +172,7 @@ class GoodputTracker:
             redo_s=self.redo_s,
             checkpoint_s=self.checkpoint_s,
             bad_step_s=self.bad_step_s,
+            dropped_s=self.dropped_s,
             other_s=max(0.0, wall - known),
             goodput=self.useful_s / wall if wall > 0 else 0.0,
             attempts=self.attempts,
@@ -176,6 +189,7 @@ class GoodputTracker:
             "redo_s": self.redo_s,
             "checkpoint_s": self.checkpoint_s,
             "bad_step_s": self.bad_step_s,
+            "dropped_s": self.dropped_s,
             "attempts": self.attempts,
             "saves": self.saves,
             "step": self.step,

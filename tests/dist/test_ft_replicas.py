@@ -154,13 +154,17 @@ def _fit_replica(cfg: dict, replica: int, rank: int, out: Path, tag: str) -> Non
             elif cfg.get("solo_sleep") and h["participants"] == 1:
                 time.sleep(cfg["solo_sleep"])  # the survivors wait a little per step for the replacement to start
 
+    from lightning_v17.callbacks import GoodputMonitor
+
+    goodput = GoodputMonitor(log=False)  # counts the dropped step and the wait for the next quorum (dropped_s)
     policy = FTPolicy(min_replicas=1, timeout=cfg["timeout"], init_sync=False)
     strategy = V17Strategy(dp_replicate=2, dp_shard=D, zero_stage=3, fault_tolerance=policy)
     module = _module(cfg["opt"])
     trainer = L.Trainer(accelerator="cpu", devices=D, strategy=strategy, max_steps=10_000, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        gradient_clip_val=cfg["clip"], callbacks=[Rec()], use_distributed_sampler=False)  # fmt: skip
+                        gradient_clip_val=cfg["clip"], callbacks=[Rec(), goodput], use_distributed_sampler=False)  # fmt: skip
     trainer.fit(module, DataLoader(_rows(n), batch_size=ROWS))
+    (out / f"goodput_{tag}.json").write_text(json.dumps(goodput.last.metrics(prefix="")))
     params = {k: full(p) for k, p in module.model.named_parameters()}
     torch.save(params, out / f"final_{tag}.pt")
 
@@ -338,6 +342,12 @@ def _check(out: Path, run: dict, *, opt: str, clip: float | None, samples: int, 
     after = [r["quorum_time"] for r in survivors if r["quorum_time"] > run["kill_time"]]
     latency = min(after) - run["kill_time"]
     assert latency <= 2.0, latency
+    # GoodputMonitor on the survivors: the uncommitted step and the wait for the next quorum are dropped_s, at least
+    # the kill-to-next-quorum latency (the failed step started before the kill) and not a withheld (bad) step
+    for rank in range(D):
+        g = json.loads((out / f"goodput_0_{rank}_0.json").read_text())
+        assert g["dropped_s"] >= latency - 0.25 and g["bad_step_s"] == 0.0, (g, latency)
+        assert g["useful_s"] + g["dropped_s"] <= g["wall_s"], g
     ref = spawn(_replay, world_size=1, args=(steps, opt, clip, samples), init_process_group=False, timeout=120)[0]
     loss_diff = max(abs(a - s["loss"]) for a, s in zip(ref["losses"], steps))
     assert len(ref["losses"]) == len(steps) and loss_diff <= TOL, (loss_diff, ref["losses"], steps)

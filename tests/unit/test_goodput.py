@@ -192,10 +192,30 @@ def test_overhead_between_steps_is_predicted_on_a_synthetic_timeline():
     assert abs(b.goodput / without_o - 1.0) > 0.10
 
 
+def test_a_dropped_step_and_the_wait_for_the_next_quorum_are_dropped_s():
+    """Replica groups: the step the quorum did not commit (2 s) and the wait from its end to the survivors' next
+    quorum (1.5 s) are ``dropped_s``, not useful, not bad steps, not other."""
+    t = GoodputTracker()
+    t.start_attempt(0.0)
+    t.step_started(0.0)
+    t.step_finished(1.0, now_s=1.0, step=1)
+    t.step_started(1.0)
+    t.step_finished(2.0, now_s=3.0, step=1, useful=False, dropped=True)
+    t.add_dropped_wait(1.5)
+    t.step_started(4.5)
+    t.step_finished(1.0, now_s=5.5, step=2)
+    out = t.breakdown(5.5)
+    assert (out.useful_s, out.dropped_s, out.bad_step_s, out.other_s) == (2.0, 3.5, 0.0, 0.0)
+    assert "dropped" in out.table() and out.metrics()["goodput/dropped_s"] == 3.5
+    again = GoodputTracker()
+    again.start_attempt(6.0, previous=t.progress(), checkpoint={"useful_s": 2.0, "step": 2})
+    assert again.dropped_s == 3.5  # carried across attempts like the other counters
+
+
 def test_model_inputs_per_save_and_per_failure():
     """Hand-computed: 10 saves and 2 failures (3 attempts) over a 200 s run."""
-    b = GoodputBreakdown(wall_s=200.0, useful_s=150.0, restart_s=20.0, redo_s=10.0, checkpoint_s=5.0, bad_step_s=3.0,
-                         other_s=12.0, goodput=0.75, attempts=3, step=100)  # fmt: skip
+    b = GoodputBreakdown(wall_s=200.0, useful_s=150.0, restart_s=20.0, redo_s=10.0, checkpoint_s=5.0, bad_step_s=2.0,
+                         dropped_s=1.0, other_s=12.0, goodput=0.75, attempts=3, step=100)  # fmt: skip
     assert b.failures == 2
     assert b.model_inputs(saves=10) == pytest.approx(
         {"interval_s": 15.0, "overhead_s": 1.5, "checkpoint_s": 0.5, "restart_s": 10.0, "mtbf_s": 100.0}
