@@ -17,12 +17,13 @@ checkpoints:
 
 A script whose last act is an asynchronous ``fabric.save`` exits: its checkpoint is complete (the atexit hook).
 
-``empty_init``: the parameters of a 16 x Linear(1024, 1024) model (64 MiB) are built on the meta device and
+``empty_init``: the parameters of a 24 x Linear(1024, 1024) model (96 MiB) are built on the meta device and
 materialized by ``fabric.setup`` at ZeRO-3: the growth of each rank's peak RSS over ``init_module`` + ``setup``
 (VmHWM, reset through ``/proc/self/clear_refs``; glibc's mmap threshold fixed at 1 MiB, so that the RSS follows
 the live tensors) stays within the rank's shard (half), one unit (a Linear, initialized whole) and ``SLACK``, and under
 3/4 of the full model, while the same model built with
-real tensors grows it by at least the full model (the measurement can see it).
+real tensors grows it by at least 9/10 of the full model (the measurement can see it; measured first in each worker,
+before the other runs leave freed heap chunks that an allocation could reuse without growing the RSS).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tests._dist import spawn
 TOL = 1e-5
 STEPS, SAVE, SEQ, ROWS = 6, 3, 16, 4
 ADAMW = {"lr": 1e-3, "eps": 1e-5}
-WIDTH, DEPTH = 1024, 16
+WIDTH, DEPTH = 1024, 24
 SLACK = 16 * 2**20  # what setup allocates besides the parameters (measured: ~9.6 MiB, the same at 8 and 24 layers)
 FULL_BYTES = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
 
@@ -225,6 +226,7 @@ def _two(rank: int, world: int, tmp: str) -> dict:
     from lightning_v17 import V17FabricStrategy
 
     fab, tr = f"{tmp}/fab", f"{tmp}/trainer"
+    rss = {e: _rss_peak_growth(rank, world, e) for e in (True, False)}  # first: the heap has least to reuse
     ref = V17FabricStrategy(zero_stage=3, async_save=True)
     out = {"ref": _fabric_run(rank, world, ref, steps=range(STEPS), save=fab)}
     out["resume"] = _fabric_run(rank, world, V17FabricStrategy(zero_stage=3), steps=range(SAVE, STEPS), load=fab)
@@ -234,7 +236,7 @@ def _two(rank: int, world: int, tmp: str) -> dict:
     _trainer_run(world, steps=range(SAVE), save=tr)
     out["fabric_from_trainer"] = _fabric_run(rank, world, V17FabricStrategy(zero_stage=1), steps=range(SAVE, STEPS),
                                              load=tr)  # fmt: skip
-    out["rss"] = {e: _rss_peak_growth(rank, world, e) for e in (True, False)}
+    out["rss"] = rss
     return out
 
 
@@ -339,7 +341,7 @@ def test_fabric_empty_init_never_holds_the_whole_model(runs) -> None:
     for rank in (0, 1):
         meta, real = runs["two"][rank]["rss"][True], runs["two"][rank]["rss"][False]
         assert meta["local"] == FULL_BYTES // 2, meta
-        assert real["grown"] >= 0.95 * FULL_BYTES, f"the control must see the whole model: {real}"
+        assert real["grown"] >= 0.9 * FULL_BYTES, f"the control must see the whole model: {real}"
         bound = meta["local"] + FULL_BYTES // DEPTH + SLACK  # its shard, one unit whole while it initializes, SLACK
         assert meta["grown"] <= min(bound, 0.75 * FULL_BYTES), f"empty_init grew the peak RSS: {meta}"
         assert 0.005 < meta["weight_std"] < 0.05, f"materialized weights look uninitialized: {meta}"
