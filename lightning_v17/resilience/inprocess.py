@@ -29,6 +29,7 @@ pending collective at once, which is what step 4 relies on. A rank that hangs wi
 
 from __future__ import annotations
 
+import argparse
 import io
 import logging
 import os
@@ -140,9 +141,10 @@ class InProcessLauncher:
             self.ranks[rank] = self._popen({"RANK": str(rank), "LOCAL_RANK": str(rank)})
             self.events.append(("start", rank, time.time()))
 
-    def wait(self, timeout_s: float = 300.0, poll_s: float = 0.005) -> list[int]:
-        """Supervise until every rank exited 0 (returns the exit codes) or the restarts are spent (raises)."""
-        deadline, restarts = time.monotonic() + timeout_s, 0
+    def wait(self, timeout_s: float | None = None, poll_s: float = 0.005) -> list[int]:
+        """Supervise until every rank exited 0 (returns the exit codes) or the restarts are spent (raises); with
+        ``timeout_s``, raise ``TimeoutError`` after that many seconds."""
+        deadline, restarts = time.monotonic() + (timeout_s if timeout_s is not None else float("inf")), 0
         finished: dict[int, int] = {}
         try:
             while len(finished) < self.world_size:
@@ -397,3 +399,24 @@ def run_in_process(
             if dist.is_initialized():
                 dist.destroy_process_group()
     raise AssertionError("unreachable")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m lightning_v17.resilience.inprocess --nproc 8 --spares 1 -- train.py --lr 3e-4``: serve the store,
+    start the ranks and the spares, replace a rank that dies; exits non-zero when the restarts are spent."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_v17.resilience.inprocess", description=main.__doc__)
+    parser.add_argument("--nproc", type=int, required=True, help="ranks of the group (one replica)")
+    parser.add_argument("--spares", type=int, default=1, help="warm spares waiting to take a lost rank")
+    parser.add_argument("--max-restarts", type=int, default=3, help="in-process restarts before the job fails")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: the worker's Python arguments")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("name the worker after --, e.g. -- train.py or -- -m my_project.train")
+    launcher = InProcessLauncher(command, world_size=args.nproc, spares=args.spares, max_restarts=args.max_restarts)
+    launcher.start()
+    launcher.wait()
+
+
+if __name__ == "__main__":
+    main()
