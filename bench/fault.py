@@ -29,6 +29,12 @@ ZeRO-3, on torchft; rank 1 of group 1 SIGKILLs itself mid-step and group 0 goes 
 of each. Each drop try is checked as its test checks it (every sample once, losses and parameters against a
 one-process replay); its kill-to-next-step time is the kill until the survivors' next quorum, the start of their next
 step. The ratio is the restart's kill-to-first-step median over the drop's.
+
+The same invocation also runs ``--tries`` in-process restarts (``tests/dist/test_inprocess_restart.py``: one replica
+of 2 gloo ranks at ZeRO-3, rank 1 SIGKILLed mid-step, the survivor re-forms the group in its own process and a warm
+spare takes the lost rank, both restoring the last step boundary's in-memory snapshot), each checked as its test
+checks it (bitwise against an uninterrupted run, within 1e-5 of one process); its time is the kill until the
+re-formed group's next step starts, and ``restart_over_in_process`` the restart's median over it.
 """
 
 from __future__ import annotations
@@ -137,8 +143,27 @@ def drop_tries(tmp: Path, *, tries: int) -> list[dict]:
     return rows
 
 
+def inprocess_tries(tmp: Path, *, tries: int) -> list[dict]:
+    """``tries`` in-process restarts (``tests/dist/test_inprocess_restart.py``), each checked as the test checks it."""
+    from tests.dist.test_inprocess_restart import _check
+
+    rows = []
+    for i in range(tries):
+        t0 = time.perf_counter()
+        row: dict = {"try": i}
+        try:
+            row.update(ok=True, **_check(tmp / f"inproc{i}", "adamw"))
+        except AssertionError as err:
+            row.update(ok=False, failure=str(err)[-1500:])
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "failure"}), file=sys.stderr, flush=True)
+    return rows
+
+
 def side_by_side(tmp: Path, *, tries: int, kill_at: int, json_out: str | None) -> None:
-    """The torchrun restart and the torchft replica drop, ``tries`` each, in one invocation."""
+    """The torchrun restart, the torchft replica drop and the in-process restart, ``tries`` each, in one
+    invocation."""
     from _common import emit_json  # bench/ is the script's folder: on the path
 
     restart = restart_summary(restart_tries(tmp, tries=tries, kill_at=kill_at))
@@ -152,15 +177,36 @@ def side_by_side(tmp: Path, *, tries: int, kill_at: int, json_out: str | None) -
         "max": {k: max(r[k] for r in good) for k in ("latency_s", "loss_diff", "param_diff")} if good else None,
         "failures": [{"try": r["try"], "failure": r["failure"]} for r in drops if not r["ok"]],
     }
+    inproc_rows = inprocess_tries(tmp, tries=tries)
+    good = [r for r in inproc_rows if r["ok"]]
+    inproc = {
+        "benchmark": "in_process_restart",
+        "tries": len(inproc_rows),
+        "ok": len(good),
+        "median": {k: round(statistics.median(r[k] for r in good), 3) for k in ("kill_to_next_step_s", "restore_s")}
+        if good
+        else None,
+        "max": {k: max(r[k] for r in good) for k in ("kill_to_next_step_s", "param_diff_vs_one_process")}
+        if good
+        else None,
+        "bitwise_vs_uninterrupted": bool(good) and all(r["bitwise_vs_uninterrupted"] for r in good),
+        "failures": [{"try": r["try"], "failure": r["failure"]} for r in inproc_rows if not r["ok"]],
+    }
+    inproc_s = (inproc["median"] or {}).get("kill_to_next_step_s")
     restart_s = (restart["median"] or {}).get("kill_to_first_step_s")
     drop_s = (drop["median"] or {}).get("kill_to_next_step_s")
     report = {
         "benchmark": "fault_recovery_side_by_side",
         "what": "seconds from a SIGKILLed rank to the next training step: the whole job restarted by torchrun from "
-        "its newest checkpoint, against the other replica group going on (torchft)",
+        "its newest checkpoint, against the other replica group going on (torchft), and against the only replica "
+        "re-forming in its own processes from in-memory snapshots with a warm spare (in-process restart)",
         "restart": restart,
         "replica_drop": drop,
-        "ratios": {"restart_over_replica_drop": round(restart_s / drop_s, 2) if restart_s and drop_s else None},
+        "in_process": inproc,
+        "ratios": {
+            "restart_over_replica_drop": round(restart_s / drop_s, 2) if restart_s and drop_s else None,
+            "restart_over_in_process": round(restart_s / inproc_s, 2) if restart_s and inproc_s else None,
+        },
     }
     emit_json(report, json_out)
 

@@ -275,6 +275,17 @@ def _planner(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     return lines, []
 
 
+def _fault(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
+    """``bench/fault.py --scenario side-by-side``: the kill-to-next-step time of each recovery path, and the ratios."""
+    paths = (("job restart (torchrun, from the checkpoint)", "restart", "kill_to_first_step_s"),
+             ("replica drop (torchft, the other group goes on)", "replica_drop", "kill_to_next_step_s"),
+             ("in-process restart (the only replica, from memory)", "in_process", "kill_to_next_step_s"))  # fmt: skip
+    rows = [[name, (report[key].get("median") or {}).get(field, "-"), f"{report[key]['ok']}/{report[key]['tries']}"]
+            for name, key, field in paths if key in report]  # fmt: skip
+    lines, panels = _generic(report)
+    return _table(["path", "kill to next step, median (s)", "tries ok"], rows) + ["", *lines], panels
+
+
 def _generic(report: Report) -> tuple[list[str], list[tuple[str, Bars, Bars]]]:
     ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
     lines = _table(["ratio", "value"], [[f"`{k}`", v] for k, v in ratios.items()]) if ratios else []
@@ -294,6 +305,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Report], tuple[list[str], list[tuple[s
     "deepspeed_ckpt": ("DeepSpeed checkpoint import: online load against the universal-checkpoint route",
                        _deepspeed_ckpt),
     "planner": ("The planner's top candidates for the main job: predicted against measured", _planner),
+    "fault": ("Recovery from a killed rank: job restart, replica drop and in-process restart", _fault),
 }
 
 
