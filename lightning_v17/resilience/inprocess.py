@@ -170,7 +170,10 @@ class InProcessLauncher:
                 if dead or reported:
                     restarts += 1
                     if restarts > self.max_restarts:
-                        raise RuntimeError(f"ranks {dead} failed after {self.max_restarts} in-process restarts")
+                        raise RuntimeError(
+                            f"the job failed again after {self.max_restarts} in-process restarts ("
+                            + (f"ranks {dead} died)" if dead else "a rank raised; see its log)")
+                        )
                     generation += 1
                     for r in dead:
                         self.events.append(("dead", (r, self.ranks[r].returncode), time.time()))
@@ -389,15 +392,15 @@ def run_in_process(
             log.warning(
                 "rank %d: generation %d failed (%s); re-forming the group in this process", rank, generation, err
             )
-            store.add(f"{_FAULT}/{generation}", 1)
             if on_restart is not None:
                 on_restart(err)
-            while _generation(store) <= generation:
-                time.sleep(0.002)
-            generation = _generation(store)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+        store.add(f"{_FAULT}/{generation}", 1)
+        while _generation(store) <= generation:
+            time.sleep(0.002)
+        generation = _generation(store)
     raise AssertionError("unreachable")
 
 
