@@ -355,7 +355,8 @@ def run_in_process(
     Args:
         fn: the training function; it must re-build everything bound to the process group on every call.
         backend: the process-group backend.
-        timeout: collective and store timeout of each generation's group.
+        timeout: collective and store timeout of each generation's group; also how long the peers of a rank that
+            raised (rather than died) wait before they re-form, since that rank's gloo connections stay open.
         max_restarts: runs of ``fn`` after the first; the last error is raised after that.
         on_restart: called with the error before this process waits for the next generation (logging, metrics).
         warmup: what a warm spare runs before it reports ready, inside a private one-rank process group: build the
