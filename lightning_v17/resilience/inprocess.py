@@ -84,6 +84,7 @@ class InProcessLauncher:
         max_restarts: generations after the first; one more failure ends the job.
         grace_s: after a rank reports a failure and no process died, how long to wait for a death before the
             next generation opens without a replacement (the failure was a raised error, not a lost rank).
+        replenish: start a new spare for each one that took over a rank (after the group's first step).
     """
 
     def __init__(
@@ -95,10 +96,11 @@ class InProcessLauncher:
         env: dict[str, str] | None = None,
         max_restarts: int = 3,
         grace_s: float = 0.2,
+        replenish: bool = True,
     ) -> None:
         self.argv, self.world_size, self.spares = list(argv), world_size, spares
         self.env = {**os.environ, **(env or {})}
-        self.max_restarts, self.grace_s = max_restarts, grace_s
+        self.max_restarts, self.grace_s, self.replenish = max_restarts, grace_s, replenish
         self.store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
@@ -136,7 +138,9 @@ class InProcessLauncher:
             self.ranks[rank] = self.waiting.pop(i)
             self.store.set(_spare_key(i), f"{rank}:{generation}")
             self.events.append(("takeover", (i, rank), time.time()))
-            self._owed += 1  # a new spare starts after the group's first step: its imports would slow the recovery
+            self._owed += int(
+                self.replenish
+            )  # a new spare starts after the group's first step: its imports would slow the recovery
         else:
             self.ranks[rank] = self._popen({"RANK": str(rank), "LOCAL_RANK": str(rank)})
             self.events.append(("start", rank, time.time()))

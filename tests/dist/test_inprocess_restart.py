@@ -200,6 +200,7 @@ def _launch(tmp: Path, opt: str, kill: str) -> dict:
         spares=1 if kill else 0,
         env=env,
         max_restarts=1,
+        replenish=False,  # the run ends soon after the restart: a new spare's imports would only cost CPU here
     )
     launcher.start()
     codes = launcher.wait(timeout_s=150)
