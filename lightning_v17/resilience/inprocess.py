@@ -21,9 +21,9 @@ re-imports torch and reloads the newest checkpoint from disk, the survivors keep
    (two neighbours lost at once), ``restored`` is None and the function falls back to its disk checkpoint.
 
 This is what NVIDIA Resiliency Extension's ``inprocess.Wrapper`` does on NCCL (Gemini, SOSP 2023, for snapshots kept
-in peer host memory). Its abort step only aborts ``ProcessGroupNCCL`` backends and asks each group for its
-``cuda`` backend, so it cannot unblock or tear down a gloo group; on gloo a dead peer's closed sockets fail the
-pending collective at once, which is what step 4 relies on. A rank that hangs without dying is not detected here:
+in peer host memory). Its abort step aborts only ``ProcessGroupNCCL`` backends; on a gloo group it only calls
+``destroy_process_group``, which does not unblock a pending collective. On gloo a dead peer's closed sockets fail
+the pending collective at once, which is what step 4 relies on. A rank that hangs without dying is not detected here:
 :class:`~lightning_v17.resilience.watchdog.StepWatchdog` turns a hang into an exit, which this path then handles.
 """
 
