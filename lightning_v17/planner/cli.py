@@ -155,14 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nvme-path", default=".",
                    help="directory the nvme tier writes to; its free space is the default --nvme-capacity "
                         "(default: the current directory)")
-    c.add_argument("--restart-s", type=_positive_float, default=12.2, metavar="S",
-                   help="failure to first step of a torchrun-restarted job, before its checkpoint read (default 12.2: "
+    c.add_argument("--restart-s", type=_positive_float, default=9.0, metavar="S",
+                   help="failure to first step of a torchrun-restarted job, before its checkpoint read (default 9.0: "
                         "bench/fault.py on a 2-core CPU host; measure yours)")
     c.add_argument("--replica-drop-s", type=_positive_float, default=1.1, metavar="S",
                    help="failure to the surviving replica groups' next step with FTPolicy (default 1.1: bench/fault.py)")
-    c.add_argument("--inprocess-restart-s", type=_positive_float, metavar="S",
-                   help="failure to next step of an in-process restart, before the snapshot's transfer (default: "
-                        "that path is not reported)")
+    c.add_argument("--inprocess-restart-s", type=_positive_float, default=0.23, metavar="S",
+                   help="failure to next step of an in-process restart with a warm spare, before the snapshot's "
+                        "transfer (default 0.23: bench/fault.py)")
     c.add_argument("--cpu-cores", type=_positive_int,
                    help="on --gpu cpu: the cores its ranks share (default: this machine's); a rank computes at one "
                         "core's peak times min(1, cores / ranks)")

@@ -97,13 +97,14 @@ class ClusterSpec:
             core_share`). None: the cores this process may run on.
         restart_s: seconds from a failure to the first step of the job torchrun restarts, before it reads its
             checkpoint (the planner adds the read): the failure's detection, the new processes' imports and the
-            process group. Default 12.2: ``bench/fault.py``'s torchrun restart on a 2-core CPU host (of which 8.2 s
+            process group. Default 9.0: ``bench/fault.py``'s torchrun restart on a 2-core CPU host (of which 5.2 s
             are imports); measure yours (``python bench/fault.py --scenario side-by-side``).
         replica_drop_s: seconds from a failure to the surviving replica groups' next step
             (``FTPolicy``, torchft). Default 1.1: ``bench/fault.py``'s replica drop on the same host.
         inprocess_restart_s: seconds from a failure to the next step when the surviving processes re-form the
-            group and restore from a peer's in-memory snapshot, before the planner adds the snapshot's transfer.
-            None: that path is not reported.
+            group with a warm spare and restore from a peer's in-memory snapshot, before the planner adds the
+            snapshot's transfer. Default 0.23: ``bench/fault.py``'s in-process restart on the same host. None: that
+            path is not reported.
     """
 
     gpu: str = "h100-80gb"
@@ -119,9 +120,9 @@ class ClusterSpec:
     nvme_capacity_gb: float | None = None
     nvme_path: str = "."
     cpu_cores: int | None = None
-    restart_s: float = 12.2
+    restart_s: float = 9.0
     replica_drop_s: float = 1.1
-    inprocess_restart_s: float | None = None
+    inprocess_restart_s: float | None = 0.23
 
     def __post_init__(self) -> None:
         _positive("host_memory_gb", self.host_memory_gb, kind=float)

@@ -54,9 +54,9 @@ def test_three_paths_against_the_hand_written_models() -> None:
     assert drop["goodput"] > inproc["goodput"] > job["goodput"]  # what each path saves per failure
 
 
-def test_replica_drop_needs_hsdp_and_in_process_needs_its_time() -> None:
+def test_replica_drop_needs_hsdp() -> None:
     paths = recovery_goodput(_plan())["paths"]
-    assert set(paths) == {"job_restart", "replica_drop"}
+    assert set(paths) == {"job_restart", "in_process_restart", "replica_drop"}
     assert "dp_replicate >= 2" in paths["replica_drop"]["needs"] and "FTPolicy" in paths["replica_drop"]["needs"]
 
 
@@ -65,7 +65,8 @@ def test_the_report_and_json_carry_it() -> None:
     with contextlib.redirect_stdout(out):
         assert main(FLAGS + ["--dp-replicate", "8", "--json"]) == 0
     recovery = json.loads(out.getvalue())["recovery"]
-    assert set(recovery["paths"]) == {"job_restart", "replica_drop"} and recovery["paths"]["replica_drop"]["goodput"]
+    assert set(recovery["paths"]) == {"job_restart", "in_process_restart", "replica_drop"}
+    assert recovery["paths"]["replica_drop"]["goodput"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(FLAGS) == 0
