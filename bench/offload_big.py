@@ -20,7 +20,7 @@ the last step, before teardown (the workers exit there: the tier's teardown brin
 which a model of this size does not have room for; the driver removes the tier's files), and the RSS of both ranks
 against the machine's memory.
 
-    nice -n 10 python bench/offload_big.py --json-out bench/results/offload-big.json
+    nice -n 10 python bench/offload_big.py --json-out bench/results/offload_big.json
     python bench/offload_big.py --shape '{"hidden": 512, "layers": 4, "heads": 8, "kv_heads": 8, "ffn": 1536}'
 """
 
