@@ -19,15 +19,14 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
-from lightning.fabric.utilities.distributed import ReduceOp, _distributed_is_initialized, _sync_ddp_if_available
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import ReduceOp, _distributed_is_initialized
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _Stateful
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning_v17.strategies._checkpoint import load, save
-from lightning_v17.strategies._collectives import init_world
+from lightning_v17.strategies._collectives import WorldCollectives, init_world
 from lightning_v17.strategies._engine_state import EngineState
 from lightning_v17.strategies._options import _changed, build_policy, check_hang_timeout, parallel_dims
 from torch import Tensor
@@ -111,7 +110,7 @@ class _V17BackwardSyncControl(_BackwardSyncControl):
         return self._strategy.zero.no_sync()
 
 
-class V17FabricStrategy(EngineState, ParallelStrategy):
+class V17FabricStrategy(EngineState, WorldCollectives, ParallelStrategy):
     """ZeRO-1/2/3 and tensor parallelism (tp) on V17's device mesh, for ``lightning.fabric.Fabric``.
 
     ``Fabric(accelerator="cpu", devices=2, strategy=V17FabricStrategy(zero_stage=3))``, then ``fabric.setup(model,
@@ -186,10 +185,6 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     # ------------------------------------------------------------------ launch and environment
     @override
@@ -317,27 +312,13 @@ class V17FabricStrategy(EngineState, ParallelStrategy):
     # ------------------------------------------------------------------ collectives over the world
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self.reduce(tensor, group, reduce_op)  # WorldCollectives': over the world
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        self._publish(wait=False)
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        if _distributed_is_initialized():
+            self._publish(wait=False)  # every rank is here: an asynchronous save may be published
+        super().barrier()
 
     # ------------------------------------------------------------------ checkpoints
     @override
