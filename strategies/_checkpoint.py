@@ -66,7 +66,7 @@ class ShardedCheckpoints:
         """Load a sharded checkpoint into the sharded model/optimizers in place (any saved stage or world size)."""
         out, info = load(self, checkpoint_path, weights_only=weights_only)
         if info.get("writer") == "fabric":
-            out = trainer_state_from_fabric(out, info)
+            out = trainer_state_from_fabric(out)
         if self._parallel is not None and self._parallel.fp8 is not None:
             self._parallel.fp8.refresh_weight_scales()  # the loaded weights' float8 scales (none may be stale)
         return out
@@ -180,7 +180,7 @@ def load(
     return trainer_state, info
 
 
-def trainer_state_from_fabric(state: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+def trainer_state_from_fabric(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint ``fabric.save`` wrote, resumed by the Trainer: the model and optimizer states are loaded; the
     Trainer's loops, callbacks and LR schedulers, which a Fabric loop keeps in its own keys, start fresh (warned once).
     The Fabric state's other entries stay in the checkpoint dict ``on_load_checkpoint`` receives."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from lightning_v17.trackers.memory import (
@@ -67,7 +69,12 @@ def test_rss_high_water_mark_sees_a_touched_allocation():
     if not reset_peak_rss():
         return  # kernels without clear_refs: nothing more to check here
     base = rss_bytes()
-    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # 64 MiB of fresh anonymous memory, touched: a tensor from malloc may reuse heap pages an earlier test in this
+    # process left resident (then the RSS does not grow), whatever the tracker does
+    buf = mmap.mmap(-1, 64 * 2**20)
+    x = torch.frombuffer(buf, dtype=torch.uint8)
+    x.fill_(1)
     del x
+    buf.close()  # unmapped: only the high-water mark still sees it
     peak = peak_rss_bytes()
     assert peak is not None and peak - base > 48 * 2**20
